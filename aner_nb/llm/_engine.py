@@ -1,0 +1,416 @@
+"""The only module that imports ``llama_cpp``: thin, typed owners of native handles.
+
+Each class here owns exactly one kind of native object (model, context,
+batch, sampler chain) and frees it exactly once, either explicitly or from a
+``weakref.finalize``. Policy (what to evaluate, what to keep) lives elsewhere;
+this module only translates between Python values and the C API of the pinned
+llama-cpp-python 0.3.36.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import EngineError, NativeUnavailableError
+
+__all__ = [
+    "native_available",
+    "supports_gpu_offload",
+    "accelerator_kind",
+    "system_info",
+    "default_threads",
+    "ContextParams",
+    "NativeModel",
+    "NativeContext",
+    "Batch",
+    "Sampler",
+    "DECODE_OK",
+    "DECODE_NO_KV_SLOT",
+]
+
+log = logging.getLogger("aner_nb.engine")
+
+DECODE_OK = 0
+DECODE_NO_KV_SLOT = 1  # llama_decode: no KV slot for this batch; a smaller one may fit
+
+_init_lock = threading.Lock()
+_lib: Any = None
+_lib_error: BaseException | None = None
+_log_callback: Any = None  # must outlive every native call that may log
+
+
+def _llama() -> Any:
+    """Import llama_cpp once, initialise the backend and route native logs to ``logging``."""
+    global _lib, _lib_error, _log_callback
+    if _lib is not None:
+        return _lib
+    with _init_lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise NativeUnavailableError(f"llama-cpp-python is not usable: {_lib_error}") from _lib_error
+        try:
+            import llama_cpp as lib  # noqa: PLC0415 - imported lazily so `import aner_nb` stays cheap
+
+            lib.llama_backend_init()
+        except Exception as exc:  # ImportError, OSError from the shared library
+            _lib_error = exc
+            raise NativeUnavailableError(f"llama-cpp-python is not usable: {exc}") from exc
+        _log_callback = lib.llama_log_callback(_forward_native_log)
+        lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _lib = lib
+        return lib
+
+
+# ggml_log_level: 0 none, 1 info, 2 warn, 3 error, 4 debug, 5 continuation of the previous line.
+_LOG_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.DEBUG}
+
+
+def _forward_native_log(level: int, text: bytes, _user_data: Any) -> None:
+    # Native warnings are mostly informational for this toolkit (e.g. "n_ctx_seq < n_ctx_train"),
+    # so they are demoted one level; real failures surface as return codes, which we check.
+    if text and log.isEnabledFor(logging.DEBUG):
+        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "%s", text.decode("utf-8", "replace").rstrip("\n"))
+
+
+def native_available() -> bool:
+    """True when llama-cpp-python imports and its shared library initialises."""
+    try:
+        _llama()
+    except NativeUnavailableError:
+        return False
+    return True
+
+
+def supports_gpu_offload() -> bool:
+    return bool(_llama().llama_supports_gpu_offload())
+
+
+def system_info() -> str:
+    return _llama().llama_print_system_info().decode("utf-8", "replace")
+
+
+def accelerator_kind() -> str | None:
+    """``"cuda"``, ``"metal"``, another backend name in lower case, or None for a CPU-only build."""
+    if not supports_gpu_offload():
+        return None
+    info = system_info().upper()
+    for name in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL"):
+        if f"{name} :" in info or f"{name}:" in info or name in info:
+            return name.lower()
+    return "gpu"
+
+
+def default_threads() -> tuple[int, int]:
+    """The engine default used when a profile says ``threads=0``.
+
+    Same rule as llama-cpp-python's ``Llama``: half the logical CPUs for
+    single-token decode (memory bound), all of them for prompt batches.
+    """
+    cpus = os.cpu_count() or 1
+    return max(cpus // 2, 1), cpus
+
+
+_KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
+_FLASH = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """Everything a context is created with; set explicitly, never left to library defaults."""
+
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int = 1
+    n_threads: int = 1
+    n_threads_batch: int = 1
+    kv_cache_type: str = "f16"
+    flash_attention: str = "auto"
+    # Sliding-window models keep only the window in their SWA cache unless swa_full
+    # is set; a partial seq_rm below the window then fails (llama_memory_seq_rm -> False).
+    swa_full: bool = False
+    kv_unified: bool = True
+    offload: bool = False  # KV and host ops on the accelerator (GPU devices only)
+
+
+class _Owner:
+    """Frees one native pointer exactly once, explicitly or when garbage collected."""
+
+    def __init__(self, ptr: Any, free_fn: Any, what: str) -> None:
+        self._ptr = ptr
+        self._what = what
+        self._finalizer = weakref.finalize(self, _free_once, free_fn, ptr, what)
+        self._finalizer.atexit = True
+
+    @property
+    def ptr(self) -> Any:
+        if not self._finalizer.alive:
+            raise EngineError(f"{self._what} was already freed")
+        return self._ptr
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def free(self) -> bool:
+        """Free now; returns True if this call released the handle."""
+        return self._finalizer() is not None
+
+
+def _free_once(free_fn: Any, ptr: Any, what: str) -> bool:
+    free_fn(ptr)
+    log.debug("freed %s", what)
+    return True
+
+
+class NativeModel(_Owner):
+    """A loaded ``llama_model`` plus its vocabulary; contexts are freed before it."""
+
+    def __init__(self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+        lib = _llama()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        params.check_tensors = False
+        ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        if not ptr:
+            raise EngineError(f"llama.cpp failed to load {os.path.basename(path)!r} (see the aner_nb.engine log)")
+        self._lib = lib
+        self._contexts: "weakref.WeakSet[NativeContext]" = weakref.WeakSet()
+        self._ctx_lock = threading.Lock()
+        super().__init__(ptr, lib.llama_model_free, f"model {os.path.basename(path)}")
+        self.free_calls = 0  # counts releases that actually freed the weights (tests use it)
+        self.vocab = lib.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
+        self.n_swa = int(lib.llama_model_n_swa(ptr))
+        self.size_bytes = int(lib.llama_model_size(ptr))
+        self.n_params = int(lib.llama_model_n_params(ptr))
+        self.bos = int(lib.llama_vocab_bos(self.vocab))
+        self.eos = int(lib.llama_vocab_eos(self.vocab))
+
+    def free(self) -> bool:
+        with self._ctx_lock:
+            contexts = list(self._contexts)
+        for ctx in contexts:  # contexts reference the model: free them first
+            ctx.free()
+        released = super().free()
+        if released:
+            self.free_calls += 1
+        return released
+
+    def _register(self, ctx: "NativeContext") -> None:
+        with self._ctx_lock:
+            self._contexts.add(ctx)
+
+    def live_contexts(self) -> int:
+        with self._ctx_lock:
+            return sum(1 for c in self._contexts if c.alive)
+
+    # -- vocabulary -------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        """Text to token ids. Chat prompts carry their own BOS, so add_special is off by default."""
+        data = text.encode("utf-8")
+        lib, vocab = self._lib, self.vocab
+        capacity = len(data) + 8
+        buf = (lib.llama_token * capacity)()
+        n = lib.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+        if n < 0:  # negative: the number of tokens that would have been returned
+            capacity = -n
+            buf = (lib.llama_token * capacity)()
+            n = lib.llama_tokenize(vocab, data, len(data), buf, capacity, add_special, parse_special)
+            if n < 0:
+                raise EngineError(f"tokenization failed for {len(data)} bytes")
+        return list(buf[:n])
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The raw bytes of one token's piece (may be an incomplete UTF-8 sequence)."""
+        buf = ctypes.create_string_buffer(64)
+        n = self._lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self._lib.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        return b"".join(self.token_bytes(t, special=special) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self.vocab, token))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self._lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, 4096)
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+
+class NativeContext(_Owner):
+    """One ``llama_context`` on a model: KV memory, decode, logits."""
+
+    def __init__(self, model: NativeModel, params: ContextParams) -> None:
+        lib = _llama()
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_ubatch
+        cp.n_seq_max = params.n_seq_max
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads_batch
+        cp.type_k = getattr(lib, _KV_TYPES[params.kv_cache_type])
+        cp.type_v = getattr(lib, _KV_TYPES[params.kv_cache_type])
+        cp.flash_attn_type = getattr(lib, _FLASH[params.flash_attention])
+        cp.swa_full = params.swa_full
+        cp.kv_unified = params.kv_unified
+        cp.offload_kqv = params.offload
+        cp.op_offload = params.offload
+        cp.no_perf = False
+        cp.embeddings = False
+        ptr = lib.llama_init_from_model(model.ptr, cp)
+        if not ptr:
+            raise EngineError(
+                f"llama.cpp could not create a context (n_ctx={params.n_ctx}, kv={params.kv_cache_type}, "
+                f"flash_attention={params.flash_attention}); see the aner_nb.engine log"
+            )
+        self._lib = lib
+        self.model = model  # keeps the Python owner alive; the model frees us first anyway
+        self.params = params
+        super().__init__(ptr, lib.llama_free, "context")
+        self._mem = lib.llama_get_memory(ptr)
+        self.n_ctx = int(lib.llama_n_ctx(ptr))
+        self.n_vocab = model.n_vocab
+        self.decode_count = 0  # llama_decode calls on this context (tests check "touched no KV")
+        model._register(self)
+
+    def decode(self, batch: "Batch") -> int:
+        """Run one ``llama_decode``; returns 0, or 1 when no KV slot fits; raises on errors."""
+        self.decode_count += 1
+        rc = int(self._lib.llama_decode(self.ptr, batch.native))
+        if rc < 0 or rc > 1:
+            raise EngineError(f"llama_decode failed with code {rc} for a batch of {batch.n_tokens} tokens")
+        return rc
+
+    def logits(self, i: int) -> np.ndarray:
+        """A zero-copy float32 view of output row ``i`` (valid until the next decode)."""
+        ptr = self._lib.llama_get_logits_ith(self.ptr, i)
+        if not ptr:
+            raise EngineError(f"no logits for batch row {i}: the row was not marked for output")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def greedy(self, i: int) -> int:
+        # First index of the maximum, the same tie-break as llama.cpp's greedy sampler.
+        return int(np.argmax(self.logits(i)))
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        self._lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
+    # -- KV memory: positions are per sequence; p1 < 0 means "to the end" ----
+    def clear(self) -> None:
+        self._lib.llama_memory_clear(self._mem, False)
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq``; False when a partial removal is impossible (SWA)."""
+        return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Largest position stored for ``seq``; -1 when the sequence is empty."""
+        return int(self._lib.llama_memory_seq_pos_max(self._mem, seq))
+
+    def seq_pos_min(self, seq: int) -> int:
+        return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    def perf(self) -> dict[str, float]:
+        data = self._lib.llama_perf_context(self.ptr)
+        return {
+            "t_p_eval_ms": data.t_p_eval_ms,
+            "t_eval_ms": data.t_eval_ms,
+            "n_p_eval": data.n_p_eval,
+            "n_eval": data.n_eval,
+        }
+
+
+class Batch(_Owner):
+    """A reusable ``llama_batch`` of up to ``capacity`` token rows."""
+
+    def __init__(self, capacity: int, n_seq_max: int = 1) -> None:
+        lib = _llama()
+        batch = lib.llama_batch_init(capacity, 0, n_seq_max)
+        self._lib = lib
+        self.native = batch
+        self.capacity = capacity
+        super().__init__(batch, lib.llama_batch_free, "batch")
+        # Zero-copy numpy views over the C arrays, so filling a prefill chunk is vectorised.
+        self._token = np.ctypeslib.as_array(batch.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(batch.pos, shape=(capacity,))
+        self._n_seq = np.ctypeslib.as_array(batch.n_seq_id, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(batch.logits, shape=(capacity,))
+        self._seq_rows = [batch.seq_id[i] for i in range(capacity)]
+        self.native.n_tokens = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.native.n_tokens)
+
+    def clear(self) -> None:
+        self.native.n_tokens = 0
+
+    def add(self, token: int, pos: int, seq: int = 0, logits: bool = False) -> int:
+        """Append one row; returns its index (the logits index when ``logits``)."""
+        i = self.native.n_tokens
+        if i >= self.capacity:
+            raise EngineError(f"batch capacity {self.capacity} exceeded")
+        self._token[i] = token
+        self._pos[i] = pos
+        self._n_seq[i] = 1
+        self._seq_rows[i][0] = seq
+        self._logits[i] = 1 if logits else 0
+        self.native.n_tokens = i + 1
+        return i
+
+    def add_run(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False) -> int:
+        """Append consecutive tokens of one sequence; returns the index of the last row."""
+        n = len(tokens)
+        i = self.native.n_tokens
+        if i + n > self.capacity:
+            raise EngineError(f"batch capacity {self.capacity} exceeded by {i + n - self.capacity} rows")
+        self._token[i : i + n] = tokens
+        self._pos[i : i + n] = np.arange(start_pos, start_pos + n, dtype=self._pos.dtype)
+        self._n_seq[i : i + n] = 1
+        for row in range(i, i + n):
+            self._seq_rows[row][0] = seq
+        self._logits[i : i + n] = 0
+        if logits_last and n:
+            self._logits[i + n - 1] = 1
+        self.native.n_tokens = i + n
+        return i + n - 1
+
+
+class Sampler(_Owner):
+    """A seeded temperature sampler chain (temperature then a distribution draw).
+
+    Greedy decoding does not use a sampler: ``NativeContext.greedy`` takes the
+    argmax of the logits row directly, which is what llama.cpp's greedy sampler does.
+    """
+
+    def __init__(self, temperature: float, seed: int) -> None:
+        lib = _llama()
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(float(temperature)))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(int(seed)))
+        self._lib = lib
+        super().__init__(chain, lib.llama_sampler_free, "sampler")
+
+    def sample(self, ctx: NativeContext, i: int) -> int:
+        """Sample from output row ``i`` and record the token in the chain's state."""
+        return int(self._lib.llama_sampler_sample(self.ptr, ctx.ptr, i))

@@ -1,0 +1,523 @@
+"""GGUF artifact inspection and hashing, before llama.cpp touches the file.
+
+:func:`inspect_model` reads only the GGUF header (metadata key/values and
+tensor infos) through a read-only memory map and returns :class:`ModelFacts`,
+plain data for admission and KV-memory estimates. It rejects, with a typed
+error naming the file and what is allowed:
+
+* a missing path or one that is not a regular file, bytes that are not GGUF
+  (wrong magic), unsupported GGUF versions, truncated or corrupted headers,
+  tensor data extending past the end of the file (:class:`InvalidArtifactError`);
+* split shards, multimodal projectors, adapters and architectures outside
+  :data:`SUPPORTED_ARCHITECTURES` (:class:`UnsupportedModelError`).
+
+The header is parsed here rather than with ``gguf.GGUFReader``: the reader
+materialises every element of every metadata array as numpy objects, which
+takes seconds for a 262,144-token vocabulary, whereas admission must be fast
+(tens of milliseconds) and must treat hostile headers (huge counts, lengths
+past the end of the file) as errors, not as exceptions from deep inside numpy.
+The ``gguf`` package still supplies the format constants (value types, tensor
+types and their block sizes).
+
+:func:`sha256_file` streams a file through SHA-256 with an optional ``tqdm``
+progress bar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from .errors import InvalidArtifactError, UnsupportedModelError
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "SUPPORTED_GGUF_VERSIONS",
+    "ModelFacts",
+    "inspect_model",
+    "sha256_file",
+]
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_GGUF_VERSIONS = (2, 3)
+
+GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+_PROJECTOR_TYPES = ("mmproj", "clip", "projector")
+_PROJECTOR_ARCHS = ("clip", "mmproj")
+
+# value type -> struct format character (scalars)
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+_SCALAR_SIZES = {t: struct.calcsize("<" + f) for t, f in _SCALAR_FORMATS.items()}
+# Numeric arrays up to this many elements are decoded; longer ones (scores,
+# token types) are skipped and represented by their length only.
+_MAX_DECODED_ARRAY = 4096
+# Every Nth string of a string array records its offset, so a token text can
+# be found later without walking the whole array again.
+_STRING_CHECKPOINT = 1024
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the GGUF header declares about a model; plain data, no file handles."""
+
+    path: str
+    file_size: int
+    gguf_version: int
+    architecture: str
+    name: str
+    context_length: int      # declared {arch}.context_length (training context)
+    layers: int
+    heads: int
+    kv_heads: int
+    embedding_length: int
+    head_dim_k: int          # {arch}.attention.key_length, else embedding_length // heads
+    head_dim_v: int          # {arch}.attention.value_length, else embedding_length // heads
+    sliding_window: int      # {arch}.attention.sliding_window, 0 when absent
+    vocab_size: int
+    chat_template: str | None
+    bos_token: str | None    # token texts, for rendering templates
+    eos_token: str | None
+    tensor_bytes: int        # sum of the tensors' data sizes
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+
+@dataclass(frozen=True)
+class _StringArray:
+    """A metadata array of strings, kept as a location in the file."""
+
+    offset: int                      # first element (its u64 length)
+    count: int
+    checkpoints: tuple[int, ...]     # offset of element i * _STRING_CHECKPOINT
+
+
+@dataclass(frozen=True)
+class _SkippedArray:
+    """A long numeric metadata array: only its type and length are kept."""
+
+    item_type: GGUFValueType
+    count: int
+
+
+class _Truncated(Exception):
+    """Internal: a read ran past the end of the file."""
+
+
+class _Header:
+    """Bounds-checked reader of a GGUF header over a memory map."""
+
+    def __init__(self, buf: mmap.mmap, size: int, endian: str) -> None:
+        self.buf = buf
+        self.size = size
+        self.e = endian
+        self._u64 = struct.Struct(endian + "Q").unpack_from
+        self._u32 = struct.Struct(endian + "I").unpack_from
+
+    def need(self, off: int, n: int) -> None:
+        if n < 0 or off + n > self.size:
+            raise _Truncated(off)
+
+    def u32(self, off: int) -> int:
+        self.need(off, 4)
+        return self._u32(self.buf, off)[0]
+
+    def u64(self, off: int) -> int:
+        self.need(off, 8)
+        return self._u64(self.buf, off)[0]
+
+    def string(self, off: int, *, what: str) -> tuple[str, int]:
+        n = self.u64(off)
+        off += 8
+        self.need(off, n)
+        raw = self.buf[off : off + n]
+        try:
+            return raw.decode("utf-8"), off + n
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{what} is not valid UTF-8") from exc
+
+    def scalar(self, off: int, vtype: GGUFValueType) -> tuple[Any, int]:
+        n = _SCALAR_SIZES[vtype]
+        self.need(off, n)
+        return struct.unpack_from(self.e + _SCALAR_FORMATS[vtype], self.buf, off)[0], off + n
+
+    def skip_strings(self, off: int, count: int) -> tuple[int, tuple[int, ...]]:
+        """Walk ``count`` length-prefixed strings; return the end and checkpoints."""
+        # each element needs at least its 8-byte length: reject absurd counts at once
+        self.need(off, 8 * count)
+        u64, buf, size = self._u64, self.buf, self.size
+        checkpoints = []
+        try:
+            for start in range(0, count, _STRING_CHECKPOINT):
+                checkpoints.append(off)
+                for _ in range(min(_STRING_CHECKPOINT, count - start)):
+                    off += 8 + u64(buf, off)[0]
+        except struct.error:
+            raise _Truncated(off) from None
+        if off > size:
+            raise _Truncated(off)
+        return off, tuple(checkpoints)
+
+    def string_at(self, arr: _StringArray, index: int) -> str | None:
+        if not 0 <= index < arr.count:
+            return None
+        off = arr.checkpoints[index // _STRING_CHECKPOINT]
+        for _ in range(index % _STRING_CHECKPOINT):
+            off += 8 + self.u64(off)
+        text, _ = self.string(off, what=f"token {index}")
+        return text
+
+    def value(self, off: int, vtype: GGUFValueType, key: str) -> tuple[Any, int]:
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(off, vtype)
+        if vtype == GGUFValueType.STRING:
+            return self.string(off, what=f"metadata value of {key!r}")
+        if vtype == GGUFValueType.ARRAY:
+            item_raw = self.u32(off)
+            count = self.u64(off + 4)
+            off += 12
+            try:
+                item = GGUFValueType(item_raw)
+            except ValueError:
+                raise ValueError(f"metadata array {key!r} has unknown item type {item_raw}") from None
+            if item == GGUFValueType.STRING:
+                end, checkpoints = self.skip_strings(off, count)
+                return _StringArray(off, count, checkpoints), end
+            if item == GGUFValueType.ARRAY:
+                raise ValueError(f"metadata {key!r} is a nested array, which GGUF models do not use")
+            width = _SCALAR_SIZES[item]
+            self.need(off, width * count)
+            if count <= _MAX_DECODED_ARRAY:
+                values = struct.unpack_from(f"{self.e}{count}{_SCALAR_FORMATS[item]}", self.buf, off)
+                return list(values), off + width * count
+            return _SkippedArray(item, count), off + width * count
+        raise ValueError(f"metadata {key!r} has unknown value type {int(vtype)}")
+
+
+def _regular_file(path: os.PathLike[str] | str) -> tuple[str, os.stat_result]:
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise InvalidArtifactError(f"model path must be a str or os.PathLike, got {type(path).__name__}") from None
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise InvalidArtifactError(f"model file not found: {p}") from None
+    except OSError as exc:
+        raise InvalidArtifactError(f"cannot access model file {p}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise InvalidArtifactError(f"model path {p} is {kind}; expected a single .gguf file")
+    return p, st
+
+
+def _check_magic_and_version(path: str, head: bytes) -> tuple[int, str]:
+    """Return ``(version, struct endianness prefix)`` or raise."""
+    if len(head) < 4 or head[:4] != GGUF_MAGIC:
+        raise InvalidArtifactError(
+            f"not a GGUF file: {path}: magic {bytes(head[:4])!r}, expected {GGUF_MAGIC!r}"
+        )
+    if len(head) < 8:
+        raise InvalidArtifactError(f"truncated GGUF file {path}: {len(head)} bytes, no version field")
+    little = struct.unpack_from("<I", head, 4)[0]
+    big = struct.unpack_from(">I", head, 4)[0]
+    # a file written on the other byte order reads as version << 16 and more
+    if little & 0xFFFF == 0 and big & 0xFFFF != 0:
+        version, endian = big, ">"
+    else:
+        version, endian = little, "<"
+    if version not in SUPPORTED_GGUF_VERSIONS:
+        raise InvalidArtifactError(
+            f"unsupported GGUF version {version} in {path}; supported versions: "
+            + ", ".join(map(str, SUPPORTED_GGUF_VERSIONS))
+        )
+    return version, endian
+
+
+def _read_header(path: str, buf: mmap.mmap, size: int, endian: str) -> tuple[dict[str, Any], int, _Header]:
+    """Parse key/values and tensor infos; return (metadata, tensor_bytes, reader)."""
+    h = _Header(buf, size, endian)
+    n_tensors = h.u64(8)
+    n_kv = h.u64(16)
+    off = 24
+    # every key/value needs >= 13 bytes, every tensor info >= 24: cheap sanity bounds
+    if n_kv * 13 > size or n_tensors * 24 > size:
+        raise _Truncated(off)
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key, off = h.string(off, what="metadata key")
+        raw_type = h.u32(off)
+        off += 4
+        try:
+            vtype = GGUFValueType(raw_type)
+        except ValueError:
+            raise ValueError(f"metadata {key!r} has unknown value type {raw_type}") from None
+        value, off = h.value(off, vtype, key)
+        if key in meta:
+            raise ValueError(f"duplicate metadata key {key!r}")
+        meta[key] = value
+
+    infos = []
+    names = set()
+    for _ in range(n_tensors):
+        name, off = h.string(off, what="tensor name")
+        n_dims = h.u32(off)
+        off += 4
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ValueError(f"tensor {name!r} has {n_dims} dimensions (1..{_MAX_DIMS} allowed)")
+        h.need(off, 8 * n_dims)
+        dims = struct.unpack_from(f"{endian}{n_dims}Q", buf, off)
+        off += 8 * n_dims
+        raw_type = h.u32(off)
+        t_off = h.u64(off + 4)
+        off += 12
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"tensor {name!r} has unknown ggml type {raw_type}") from None
+        n_elems = 1
+        for d in dims:
+            n_elems *= d
+        if dims[0] % block:
+            raise ValueError(f"tensor {name!r}: row of {dims[0]} elements is not a multiple of block size {block}")
+        if name in names:
+            raise ValueError(f"duplicate tensor {name!r}")
+        names.add(name)
+        infos.append((name, t_off, n_elems // block * type_size))
+
+    alignment = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
+    data_offset = off + (-off % alignment)
+    total = 0
+    for name, t_off, nbytes in infos:
+        end = data_offset + t_off + nbytes
+        if end > size:
+            raise InvalidArtifactError(
+                f"truncated GGUF file {path}: tensor {name!r} ends at byte {end} "
+                f"but the file has {size} bytes"
+            )
+        total += nbytes
+    return meta, total, h
+
+
+def _int(meta: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
+    value = meta.get(key)
+    if value is None:
+        if default is None:
+            raise InvalidArtifactError(f"{path}: missing required metadata key {key!r}")
+        return default
+    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+        value = max(value)  # per-layer values: the largest bounds memory
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArtifactError(f"{path}: metadata {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _str(meta: dict[str, Any], key: str) -> str | None:
+    value = meta.get(key)
+    return value if isinstance(value, str) else None
+
+
+def _admit(path: str, meta: dict[str, Any]) -> str:
+    """Apply the admission rules that need metadata; return the architecture."""
+    split_count = meta.get("split.count")
+    if isinstance(split_count, int) and not isinstance(split_count, bool) and split_count > 1:
+        raise UnsupportedModelError(
+            f"{path} is shard {int(meta.get('split.no', 0)) + 1} of a split GGUF "
+            f"(split.count = {split_count}); only single-file GGUF models are admitted: "
+            "merge the shards first with `llama-gguf-split --merge FIRST-SHARD.gguf OUT.gguf`"
+        )
+    arch = _str(meta, "general.architecture")
+    gtype = (_str(meta, "general.type") or "").lower()
+    if gtype == "adapter":
+        kind = _str(meta, "adapter.type") or "unknown"
+        what = "a LoRA adapter" if kind == "lora" else f"an adapter (adapter.type = {kind!r})"
+        raise UnsupportedModelError(
+            f"{path} is {what}, not a model; load the base model and apply it with with_adapter(...)"
+        )
+    if gtype in _PROJECTOR_TYPES or (arch or "").lower() in _PROJECTOR_ARCHS:
+        raise UnsupportedModelError(
+            f"{path} is a multimodal projector (general.type = {gtype or None!r}, "
+            f"architecture = {arch!r}); only text models are admitted"
+        )
+    if arch is None:
+        raise InvalidArtifactError(f"{path}: missing required metadata key 'general.architecture'")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path}: architecture {arch!r} is not supported; supported architectures: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    return arch
+
+
+def inspect_model(path: os.PathLike[str] | str) -> ModelFacts:
+    """Read and admit a GGUF model's header; return its :class:`ModelFacts`.
+
+    Only the header is touched (through a read-only memory map), so this is
+    fast even for large files. Raises :class:`InvalidArtifactError` for files
+    that are not readable single-file GGUF and :class:`UnsupportedModelError`
+    for valid GGUF files this toolkit does not admit.
+    """
+    p, st = _regular_file(path)
+    shard = _SPLIT_NAME.search(os.path.basename(p))
+    if shard and int(shard.group(2)) != 1:  # "-00001-of-00001" is a whole model
+        raise UnsupportedModelError(
+            f"{p} is named like a shard of a split GGUF (*-NNNNN-of-NNNNN.gguf); only single-file "
+            "GGUF models are admitted: merge the shards first with "
+            "`llama-gguf-split --merge FIRST-SHARD.gguf OUT.gguf`"
+        )
+    size = st.st_size
+    try:
+        with open(p, "rb") as f:
+            head = f.read(24)
+            version, endian = _check_magic_and_version(p, head)
+            if len(head) < 24:
+                raise InvalidArtifactError(f"truncated GGUF file {p}: {size} bytes, header needs 24")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                size = len(buf)
+                try:
+                    meta, tensor_bytes, h = _read_header(p, buf, size, endian)
+                except _Truncated as exc:
+                    raise InvalidArtifactError(
+                        f"truncated or corrupted GGUF file {p}: header runs past the end of the "
+                        f"file ({size} bytes) near byte {exc.args[0]}"
+                    ) from None
+                except (ValueError, OverflowError, struct.error) as exc:
+                    if isinstance(exc, InvalidArtifactError):
+                        raise
+                    raise InvalidArtifactError(f"corrupted GGUF file {p}: {exc}") from None
+                arch = _admit(p, meta)
+                facts = _facts(p, size, version, arch, meta, tensor_bytes, h)
+    except OSError as exc:
+        raise InvalidArtifactError(f"cannot read model file {p}: {exc.strerror or exc}") from None
+    return facts
+
+
+def _facts(
+    path: str, size: int, version: int, arch: str, meta: dict[str, Any], tensor_bytes: int, h: _Header
+) -> ModelFacts:
+    a = arch
+    layers = _int(meta, f"{a}.block_count", path)
+    n_embd = _int(meta, f"{a}.embedding_length", path)
+    heads = _int(meta, f"{a}.attention.head_count", path)
+    if layers < 1 or n_embd < 1 or heads < 1:
+        raise InvalidArtifactError(
+            f"{path}: block_count, embedding_length and attention.head_count must be >= 1, "
+            f"got {layers}, {n_embd}, {heads}"
+        )
+    kv_heads = _int(meta, f"{a}.attention.head_count_kv", path, default=heads)
+    head_dim_k = _int(meta, f"{a}.attention.key_length", path, default=n_embd // heads)
+    head_dim_v = _int(meta, f"{a}.attention.value_length", path, default=n_embd // heads)
+    context_length = _int(meta, f"{a}.context_length", path)
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, _StringArray):
+        vocab_size = tokens.count
+    else:
+        vocab_size = _int(meta, f"{a}.vocab_size", path, default=0)
+
+    def token_text(key: str) -> str | None:
+        tid = meta.get(key)
+        if isinstance(tokens, _StringArray) and isinstance(tid, int) and not isinstance(tid, bool):
+            try:
+                return h.string_at(tokens, tid)
+            except (_Truncated, ValueError):
+                return None
+        return None
+
+    template = _str(meta, "tokenizer.chat_template")
+    return ModelFacts(
+        path=path,
+        file_size=size,
+        gguf_version=version,
+        architecture=arch,
+        name=_str(meta, "general.name") or Path(path).stem,
+        context_length=context_length,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        embedding_length=n_embd,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        sliding_window=_int(meta, f"{a}.attention.sliding_window", path, default=0),
+        vocab_size=vocab_size,
+        chat_template=template if template else None,
+        bos_token=token_text("tokenizer.ggml.bos_token_id"),
+        eos_token=token_text("tokenizer.ggml.eos_token_id"),
+        tensor_bytes=tensor_bytes,
+    )
+
+
+def sha256_file(
+    path: os.PathLike[str] | str,
+    *,
+    progress: bool | None = None,
+    chunk_size: int = 1024 * 1024,
+) -> str:
+    """Hex SHA-256 of a file, streamed in ``chunk_size`` pieces.
+
+    ``progress``: ``True`` always shows a ``tqdm`` bar, ``False`` never,
+    ``None`` (default) lets tqdm decide (shown on a terminal only).
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    p, st = _regular_file(path)
+    digest = hashlib.sha256()
+    bar = None
+    if progress is not False:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=st.st_size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"sha256 {os.path.basename(p)}",
+            disable=None if progress is None else False,
+            leave=False,
+        )
+    # read() rather than mmap: a file truncated while it is hashed must raise, not SIGBUS the kernel.
+    buf = bytearray(chunk_size)
+    view = memoryview(buf)
+    try:
+        with open(p, "rb", buffering=0) as f:
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                digest.update(view[:n])
+                if bar is not None:
+                    bar.update(n)
+    except OSError as exc:
+        raise InvalidArtifactError(f"cannot read model file {p}: {exc.strerror or exc}") from None
+    finally:
+        view.release()
+        if bar is not None:
+            bar.close()
+    return digest.hexdigest()

@@ -1,0 +1,81 @@
+"""Typed exceptions of the library.
+
+Every rule of the contract raises one of these with a message that names the
+offending value and what is allowed, so callers (magics, the HTTP service) can
+map them to user-facing errors without parsing strings.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LLMError",
+    "InvalidArtifactError",
+    "UnsupportedModelError",
+    "ArtifactChangedError",
+    "ChatTemplateError",
+    "ConfigurationError",
+    "InvalidRequestError",
+    "ContextOverflowError",
+    "DeviceUnavailableError",
+    "BusyError",
+    "ClosedError",
+    "UnsupportedFeatureError",
+    "EngineError",
+    "NativeUnavailableError",
+]
+
+
+class LLMError(Exception):
+    """Base class of every error raised by ``aner_nb.llm``."""
+
+
+class InvalidArtifactError(LLMError, ValueError):
+    """The file is not a readable single-file GGUF (bad magic, truncated, corrupted)."""
+
+
+class UnsupportedModelError(InvalidArtifactError):
+    """A valid GGUF that this toolkit does not admit (split, projector, adapter, architecture)."""
+
+
+class ArtifactChangedError(LLMError):
+    """The file's bytes changed between the hash before loading and the one after."""
+
+
+class ChatTemplateError(LLMError, ValueError):
+    """No usable chat template, or the template failed to render in the sandbox."""
+
+
+class ConfigurationError(LLMError, ValueError):
+    """A load or profile setting is out of range or an unsupported combination."""
+
+
+class InvalidRequestError(LLMError, ValueError):
+    """A request argument (max_tokens, temperature, seed, messages, stop) is invalid."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """The formatted prompt plus ``max_tokens`` does not fit the context; nothing is truncated."""
+
+
+class DeviceUnavailableError(ConfigurationError):
+    """An explicitly requested device is not available in this engine build."""
+
+
+class BusyError(LLMError):
+    """The lease already runs a request (or its queue is full); retry later."""
+
+
+class ClosedError(LLMError):
+    """The lease was closed; it accepts no new requests."""
+
+
+class UnsupportedFeatureError(LLMError):
+    """The lease's profile does not support this operation."""
+
+
+class EngineError(LLMError, RuntimeError):
+    """llama.cpp reported a failure (load, context creation, decode)."""
+
+
+class NativeUnavailableError(EngineError):
+    """llama-cpp-python cannot be imported or its shared library cannot be loaded."""

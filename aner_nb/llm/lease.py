@@ -1,0 +1,362 @@
+"""``LLMModel``: the opaque lease a user holds. A thin facade over lifetime.
+
+The lease owns its state (open/closed, the one active request) and its
+context pool; the weights are shared with every lease derived from the same
+load. A ``weakref.finalize`` on the lease releases both when the lease becomes
+unreachable, so ``del``, ``%reset`` and failed cells free native memory
+without relying on ``__del__``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Mapping, Sequence
+
+from ._engine import ContextParams, default_threads
+from .chat import validate_messages
+from .context_pool import ContextPool, ContextSlot
+from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowError, UnsupportedFeatureError
+from .memory import kv_estimate
+from .profiles import Profile, RequestSettings
+from .response import Response
+from .runner import Job, run_request, validate_only
+from .stream import Stream
+from .summary import MemorySummary, memory_summary
+from .weights import LoadSummary, SharedWeights
+
+__all__ = ["LLMModel", "FEATURES", "Prepared", "prepare", "context_params"]
+
+FEATURES = ("generate", "chat", "stream", "session", "prefix_cache", "speculative", "continuous_batching", "adapter")
+
+
+class Prepared:
+    """A validated request: its settings and the exact prompt tokens to evaluate."""
+
+    __slots__ = ("request", "tokens", "t_call")
+
+    def __init__(self, request: RequestSettings, tokens: list[int], t_call: int) -> None:
+        self.request = request
+        self.tokens = tokens
+        self.t_call = t_call
+
+
+def prepare(
+    weights: SharedWeights, messages: Sequence[Mapping[str, Any]], context: int, request: RequestSettings, t_call: int
+) -> Prepared:
+    """Render the chat template, tokenize, and check that prompt plus output fit the context."""
+    text = weights.template.render(messages, add_generation_prompt=True)
+    # The template writes BOS itself when the model family wants one, so no special tokens are added.
+    tokens = weights.native.tokenize(text, add_special=False, parse_special=True)
+    if not tokens:
+        raise ContextOverflowError("the formatted prompt is empty; a request needs at least one prompt token")
+    if len(tokens) + request.max_tokens > context:
+        raise ContextOverflowError(
+            f"prompt of {len(tokens)} tokens plus max_tokens={request.max_tokens} is "
+            f"{len(tokens) + request.max_tokens}, above the context of {context}; "
+            f"shorten the prompt or lower max_tokens to at most {max(context - len(tokens), 0)}"
+        )
+    return Prepared(request, tokens, t_call)
+
+
+def context_params(weights: SharedWeights, profile: Profile, *, n_seq_max: int = 1, swa_full: bool = False) -> ContextParams:
+    """The explicit context parameters of a lease's contexts."""
+    opt = profile.optimizer
+    threads, prefill = default_threads()
+    settings = weights.settings
+    return ContextParams(
+        n_ctx=settings.context,
+        n_batch=opt.batch_tokens,
+        n_ubatch=opt.micro_batch_tokens,
+        n_seq_max=n_seq_max,
+        n_threads=opt.threads or threads,
+        n_threads_batch=opt.prefill_threads or prefill,
+        kv_cache_type=settings.kv_cache_type,
+        flash_attention=settings.flash_attention,
+        swa_full=swa_full,
+        offload=weights.device != "cpu",
+    )
+
+
+def profile_timings(params: ContextParams, profile: Profile) -> dict[str, int]:
+    """Timings fields that describe the configuration the request ran with."""
+    opt = profile.optimizer
+    return {
+        "threads": params.n_threads,
+        "prefill_threads": params.n_threads_batch,
+        "batch_tokens": params.n_batch,
+        "micro_batch_tokens": params.n_ubatch,
+        "speculative_tokens": opt.speculative_tokens,
+        "prefix_cache_entries": opt.prefix_cache_entries,
+    }
+
+
+class _LeaseState:
+    """Open/closed and the single active request; what the finalizer releases."""
+
+    def __init__(self, weights: SharedWeights, pool: ContextPool) -> None:
+        self.weights = weights
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.closed = False
+        self.active = False
+        self.released = False
+
+    def begin(self, what: str) -> None:
+        with self.lock:
+            if self.closed:
+                raise ClosedError(f"this lease is closed; {what} is not accepted (load or derive a new lease)")
+            if self.active:
+                raise BusyError(
+                    f"this lease is already running a request; {what} was rejected "
+                    "(one request at a time per lease: wait, or use with_batching for concurrency)"
+                )
+            self.active = True
+
+    def end(self) -> None:
+        with self.lock:
+            self.active = False
+            release = self.closed
+        if release:
+            self.release()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            release = not self.active
+        if release:
+            self.release()
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+            self.closed = True
+        self.pool.close()
+        self.weights.release()
+
+
+class LLMModel:
+    """An opaque lease on loaded weights. Create it with :func:`aner_nb.llm.load`."""
+
+    def __init__(self, weights: SharedWeights, profile: Profile | None = None) -> None:
+        profile = profile or Profile()
+        weights.retain()
+        self._weights = weights
+        self._profile = profile
+        self._params = context_params(weights, profile)
+        self._state = _LeaseState(weights, ContextPool(weights.native, self._params, profile.max_idle_contexts))
+        self._finalizer = weakref.finalize(self, self._state.release)
+        self._finalizer.atexit = True
+
+    # -- metadata (readable after close) -------------------------------------
+    @property
+    def name(self) -> str:
+        return self._weights.facts.name
+
+    @property
+    def architecture(self) -> str:
+        return self._weights.facts.architecture
+
+    @property
+    def fingerprint(self) -> str:
+        return self._weights.fingerprint
+
+    @property
+    def context(self) -> int:
+        return self._weights.settings.context
+
+    @property
+    def device(self) -> str:
+        return self._weights.device
+
+    @property
+    def path(self) -> str:
+        return self._weights.facts.path
+
+    @property
+    def profile(self) -> Profile:
+        return self._profile
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    @property
+    def chat_template(self) -> str:
+        """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
+        return self._weights.template.origin
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"<LLMModel {self.name!r} {self.architecture} {self._profile.kind} ctx={self.context} "
+            f"device={self.device} sha256={self.fingerprint[:12]} {state}>"
+        )
+
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Reject new requests; a running request finishes, then native memory is released."""
+        self._state.close()
+
+    def __enter__(self) -> "LLMModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def supports(self, feature: str) -> bool:
+        """Whether this lease can do ``feature`` now (one of FEATURES); closed leases support nothing."""
+        if feature not in FEATURES:
+            raise ConfigurationError(f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}")
+        if self.closed:
+            return False
+        opt = self._profile.optimizer
+        return {
+            "generate": True,
+            "chat": True,
+            "stream": True,
+            "session": True,
+            "prefix_cache": opt.prefix_cache_entries > 0,
+            "speculative": opt.speculative_tokens > 0,
+            "continuous_batching": False,
+            "adapter": False,
+        }[feature]
+
+    # -- requests ---------------------------------------------------------------
+    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
+        """The exact token ids a request with this prompt (or message list) evaluates."""
+        messages = _as_messages(prompt)
+        return self._weights.native.tokenize(
+            self._weights.template.render(messages, add_generation_prompt=True), add_special=False, parse_special=True
+        )
+
+    def generate(
+        self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, seed: int = 0, stop: Any = None
+    ) -> Response:
+        """Answer one user message formatted with the chat template."""
+        return self._complete(_as_messages(prompt, strict_str=True), max_tokens, temperature, seed, stop)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+    ) -> Response:
+        """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]``."""
+        return self._complete(validate_messages(messages), max_tokens, temperature, seed, stop)
+
+    def stream(
+        self,
+        prompt: "str | Sequence[Mapping[str, Any]]",
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+    ) -> Stream:
+        """Like ``generate``/``chat`` but yields verified text pieces; see :class:`Stream`."""
+        t_call = time.perf_counter_ns()
+        prepared = self._prepare(_as_messages(prompt), max_tokens, temperature, seed, stop, t_call)
+        self._state.begin("stream()")
+        try:
+            gen, job, done = self._start(prepared)
+        except BaseException:
+            self._state.end()
+            raise
+        return Stream(gen, job, done)
+
+    def _complete(self, messages: Any, max_tokens: Any, temperature: Any, seed: Any, stop: Any) -> Response:
+        t_call = time.perf_counter_ns()
+        prepared = self._prepare(messages, max_tokens, temperature, seed, stop, t_call)
+        self._state.begin("generate()")
+        try:
+            gen, job, done = self._start(prepared)
+        except BaseException:
+            self._state.end()
+            raise
+        ok = False
+        try:
+            while True:
+                next(gen)
+        except StopIteration as stop_it:
+            ok = True
+            return stop_it.value
+        finally:
+            done(ok)
+
+    def _prepare(self, messages: Any, max_tokens: Any, temperature: Any, seed: Any, stop: Any, t_call: int) -> Prepared:
+        if self._state.closed:
+            raise ClosedError("this lease is closed; requests are not accepted (load or derive a new lease)")
+        request = RequestSettings.of(max_tokens, temperature, seed, stop)
+        return prepare(self._weights, messages, self.context, request, t_call)
+
+    def _start(self, prepared: Prepared) -> tuple[Any, Job, Any]:
+        """Acquire a context and build the request's generator and its completion callback."""
+        job = Job(
+            prompt_tokens=prepared.tokens,
+            request=prepared.request,
+            t_call=prepared.t_call,
+            model_name=self.name,
+        )
+        job.timings.update(profile_timings(self._params, self._profile))
+        job.timings["cached_input_tokens"] = 0  # ordinary leases keep empty contexts
+        if prepared.request.max_tokens == 0:
+            return validate_only(job), job, lambda ok: self._state.end()
+        slot, reused, clear_ns = self._state.pool.acquire()
+        job.timings["context_pool_reused"] = int(reused)
+        job.timings["context_clear_duration"] = clear_ns
+        gen = run_request(self._weights.native, slot.ctx, slot.batch, job)
+
+        def done(ok: bool, slot: ContextSlot = slot) -> None:
+            try:
+                # The next acquire clears the KV, so a cancelled context is still reusable;
+                # after an engine error its state is unknown and it is freed.
+                self._state.pool.give_back(slot, reusable=ok or job.result is not None)
+            finally:
+                self._state.end()
+
+        return gen, job, done
+
+    # -- sessions and summaries -----------------------------------------------
+    def session(self, system: str | None = None) -> "Session":
+        """A persistent conversation with its own context; history is not re-evaluated per turn."""
+        from .session import Session
+
+        if self.closed:
+            raise ClosedError("this lease is closed; a session cannot be opened on it")
+        return Session(self._weights, self._profile, system=system, model_name=self.name)
+
+    def load_summary(self) -> LoadSummary:
+        return self._weights.summary
+
+    def memory_summary(self) -> MemorySummary:
+        """Weights, KV estimate for this lease's contexts, and the process's measured memory."""
+        facts = self._weights.facts
+        per_context = kv_estimate(
+            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
+            self._weights.settings.kv_cache_type,
+        )
+        return memory_summary(
+            self._weights,
+            kv_bytes=per_context,
+            kv_scope="per request (one context per active request)",
+            contexts=self._weights.native.live_contexts(),
+        )
+
+
+def _as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict, ...]:
+    if isinstance(prompt, str):
+        return validate_messages([{"role": "user", "content": prompt}])
+    if strict_str:
+        from .errors import InvalidRequestError
+
+        raise InvalidRequestError(
+            f"prompt must be a string, got {type(prompt).__name__}; use chat(messages) for a message list"
+        )
+    return validate_messages(prompt)

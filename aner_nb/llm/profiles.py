@@ -1,0 +1,186 @@
+"""Frozen settings for loads, profiles and requests, and their validation.
+
+Everything a user can pass is checked here, once, at configuration time, with
+a message naming the value and the allowed range. Validated objects are
+immutable, so a lease's profile can be shared and compared safely.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import ConfigurationError, InvalidRequestError
+from .memory import KV_CACHE_TYPES
+
+__all__ = [
+    "MAX_CONTEXT",
+    "MAX_TOKENS",
+    "MAX_SEED",
+    "DEVICES",
+    "FLASH_ATTENTION",
+    "LoadSettings",
+    "OptimizerSettings",
+    "Profile",
+    "RequestSettings",
+    "parse_device",
+]
+
+MAX_CONTEXT = 65536
+MAX_TOKENS = 65536
+MAX_SEED = 2**32 - 1
+MAX_STOP_STRINGS = 16
+FLASH_ATTENTION = ("auto", "on", "off")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N", "metal", "mps")
+_CUDA = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def _int_in(name: str, value: Any, low: int, high: int, error: type[Exception] = ConfigurationError) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    if not low <= value <= high:
+        raise error(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def parse_device(device: Any) -> tuple[str, int]:
+    """Normalise a device name to (kind, index): ``("auto"|"cpu"|"cuda"|"metal", index)``."""
+    if not isinstance(device, str):
+        raise ConfigurationError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    name = device.strip().lower()
+    if name in ("auto", "cpu"):
+        return name, 0
+    if name in ("metal", "mps"):
+        return "metal", 0
+    match = _CUDA.match(name)
+    if match:
+        return "cuda", int(match.group(1) or 0)
+    raise ConfigurationError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """How a model file is loaded: context size, device, KV type, flash attention, template."""
+
+    context: int = 4096
+    device: str = "auto"
+    kv_cache_type: str = "f16"
+    flash_attention: str = "auto"
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        _int_in("context", self.context, 1, MAX_CONTEXT)
+        parse_device(self.device)
+        if self.kv_cache_type not in KV_CACHE_TYPES:
+            raise ConfigurationError(
+                f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, got {self.kv_cache_type!r}"
+            )
+        if self.flash_attention not in FLASH_ATTENTION:
+            raise ConfigurationError(
+                f"flash_attention must be one of {', '.join(FLASH_ATTENTION)}, got {self.flash_attention!r}"
+            )
+        # llama.cpp stores a quantized V cache only through the flash-attention kernel.
+        if self.kv_cache_type != "f16" and self.flash_attention == "off":
+            raise ConfigurationError(
+                f"kv_cache_type={self.kv_cache_type!r} quantizes the V cache, which needs flash attention; "
+                "use flash_attention='on' or 'auto', or kv_cache_type='f16'"
+            )
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise ConfigurationError(
+                f"chat_template must be a built-in name or a Jinja string, got {self.chat_template!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Engine knobs of a latency profile. ``0`` threads means the engine default."""
+
+    threads: int = 0
+    prefill_threads: int = 0
+    batch_tokens: int = 512
+    micro_batch_tokens: int = 128
+    prefix_cache_entries: int = 0
+    prefix_cache_tokens: int = 2048
+    speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _int_in("threads", self.threads, 0, 256)
+        _int_in("prefill_threads", self.prefill_threads, 0, 256)
+        _int_in("batch_tokens", self.batch_tokens, 1, MAX_CONTEXT)
+        _int_in("micro_batch_tokens", self.micro_batch_tokens, 1, MAX_CONTEXT)
+        if self.micro_batch_tokens > self.batch_tokens:
+            raise ConfigurationError(
+                f"micro_batch_tokens ({self.micro_batch_tokens}) must be <= batch_tokens ({self.batch_tokens})"
+            )
+        _int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
+        _int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
+        _int_in("speculative_tokens", self.speculative_tokens, 0, 16)
+
+    @property
+    def is_latency_profile(self) -> bool:
+        return self.prefix_cache_entries > 0 or self.speculative_tokens > 0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a lease is: its optimizer settings and idle-context retention.
+
+    Leases derived with builders get a new Profile; the source lease keeps its own.
+    """
+
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    max_idle_contexts: int = 1
+
+    def __post_init__(self) -> None:
+        _int_in("max_idle", self.max_idle_contexts, 0, 4)
+
+    @property
+    def kind(self) -> str:
+        return "latency" if self.optimizer.is_latency_profile else "ordinary"
+
+    def with_(self, **changes: Any) -> "Profile":
+        return replace(self, **changes)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)):
+        raise InvalidRequestError(f"stop must be None, a string or a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {s!r}")
+    return tuple(stop)
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """Per-request sampling settings, validated on construction."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _int_in("max_tokens", self.max_tokens, 0, MAX_TOKENS, InvalidRequestError)
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
+            raise InvalidRequestError(f"temperature must be a finite number in [0, 2], got {t!r}")
+        object.__setattr__(self, "temperature", float(t))
+        _int_in("seed", self.seed, 0, MAX_SEED, InvalidRequestError)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def of(cls, max_tokens: Any = 256, temperature: Any = 0.0, seed: Any = 0, stop: Any = None) -> "RequestSettings":
+        return cls(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop)  # type: ignore[arg-type]

@@ -1,0 +1,187 @@
+"""Results of one request: the generated text, its token ids, usage and timings.
+
+Timings are integer nanoseconds and counts. A value that was not measured is
+``-1`` (never a made-up ``0``), so tables and plots can show it as missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import html
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Timings", "Usage", "Response", "NOT_MEASURED", "output_hash", "FINISH_REASONS"]
+
+NOT_MEASURED = -1
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where the time of one request went, and what the engine did.
+
+    Durations are nanoseconds from a monotonic clock. ``first_token_duration``
+    runs from the start of work on the request (after queueing) until the first
+    token was sampled; ``decode_duration`` from that first token to the last
+    sampled token. Flags such as ``prefix_cache_hit`` are 0/1, or -1 where the
+    profile has no such feature.
+    """
+
+    queue_duration: int = NOT_MEASURED
+    context_clear_duration: int = NOT_MEASURED
+    prompt_eval_duration: int = NOT_MEASURED
+    first_token_duration: int = NOT_MEASURED
+    decode_duration: int = NOT_MEASURED
+    total_duration: int = NOT_MEASURED
+    prompt_tokens: int = NOT_MEASURED
+    cached_input_tokens: int = NOT_MEASURED
+    evaluated_prompt_tokens: int = NOT_MEASURED
+    generated_tokens: int = NOT_MEASURED
+    decode_calls: int = NOT_MEASURED
+    context_pool_reused: int = NOT_MEASURED
+    prefix_cache_hit: int = NOT_MEASURED
+    prefix_cache_entries: int = NOT_MEASURED
+    prefix_cache_retained_tokens: int = NOT_MEASURED
+    threads: int = NOT_MEASURED
+    prefill_threads: int = NOT_MEASURED
+    batch_tokens: int = NOT_MEASURED
+    micro_batch_tokens: int = NOT_MEASURED
+    speculative_tokens: int = NOT_MEASURED
+    speculative_proposed_tokens: int = NOT_MEASURED
+    speculative_accepted_tokens: int = NOT_MEASURED
+    speculative_verification_steps: int = NOT_MEASURED
+    batch_max_sequences: int = NOT_MEASURED
+    batch_peak_sequences: int = NOT_MEASURED
+    scheduler_steps: int = NOT_MEASURED
+    batch_decoded_tokens: int = NOT_MEASURED
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"Timings.{f.name} must be an int, got {value!r}")
+            if value < NOT_MEASURED:
+                raise ValueError(f"Timings.{f.name} must be >= -1, got {value}")
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: int) -> "Timings":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts in the OpenAI sense: what the request consumed and produced."""
+
+    prompt_tokens: int
+    cached_input_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def output_hash(tokens: "tuple[int, ...] | list[int]") -> str:
+    """SHA-256 over the token ids as little-endian signed 32-bit integers (llama_token)."""
+    data = array("i", tokens)
+    if data.itemsize != 4:  # pragma: no cover - every supported platform has 32-bit int
+        raise RuntimeError("array('i') is not 32-bit on this platform")
+    raw = data.tobytes() if _LITTLE else _swapped(data)
+    return hashlib.sha256(raw).hexdigest()
+
+
+_LITTLE = array("i", [1]).tobytes()[0] == 1
+
+
+def _swapped(data: array) -> bytes:  # pragma: no cover - big-endian hosts only
+    copy = array("i", data)
+    copy.byteswap()
+    return copy.tobytes()
+
+
+@dataclass(frozen=True)
+class Response:
+    """One finished request. ``tokens`` exclude a terminating end-of-generation token."""
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    model: str = ""
+    output_hash: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "output_hash", output_hash(self.tokens))
+
+    def tokens_per_second(self) -> float:
+        """Tokens sampled after the first one over the timed decode; -1.0 without a timed decode.
+
+        The first token comes from the prompt's logits and is accounted in
+        ``first_token_duration``, like llama.cpp's own prompt/eval split.
+        """
+        t = self.timings
+        if t.decode_duration <= 0 or t.generated_tokens < 2:
+            return -1.0
+        return (t.generated_tokens - 1) * 1e9 / t.decode_duration
+
+    def to_frame(self) -> Any:
+        """A one-row pandas DataFrame of usage and timings; -1 becomes missing (NA)."""
+        import pandas as pd
+
+        row: dict[str, Any] = {
+            "model": self.model,
+            "finish_reason": self.finish_reason,
+            "completion_tokens": self.usage.completion_tokens,
+            "tokens_per_second": self.tokens_per_second(),
+            "output_hash": self.output_hash,
+        }
+        row.update(self.timings.as_dict())
+        frame = pd.DataFrame([row])
+        counts = [c for c in frame.columns if c not in ("model", "finish_reason", "output_hash", "tokens_per_second")]
+        frame[counts] = frame[counts].astype("Int64").mask(frame[counts] < 0)
+        frame["tokens_per_second"] = frame["tokens_per_second"].astype("Float64").mask(frame["tokens_per_second"] < 0)
+        return frame
+
+    def _repr_html_(self) -> str:
+        t = self.timings
+
+        def ms(value: int) -> str:
+            return "–" if value < 0 else f"{value / 1e6:.1f} ms"
+
+        def count(value: int) -> str:
+            return "–" if value < 0 else str(value)
+
+        tps = self.tokens_per_second()
+        rows = [
+            ("finish", html.escape(self.finish_reason)),
+            ("prompt tokens", count(t.prompt_tokens)),
+            ("cached input tokens", count(t.cached_input_tokens)),
+            ("generated tokens", count(t.generated_tokens)),
+            ("prefill", ms(t.prompt_eval_duration)),
+            ("first token", ms(t.first_token_duration)),
+            ("decode", ms(t.decode_duration)),
+            ("total", ms(t.total_duration)),
+            ("tokens/s", "–" if tps < 0 else f"{tps:.1f}"),
+        ]
+        body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
+        text = html.escape(self.text)
+        return (
+            f"<div class='aner-response'><pre style='white-space:pre-wrap'>{text}</pre>"
+            f"<table>{body}</table></div>"
+        )
+
+    def __repr__(self) -> str:
+        preview = self.text if len(self.text) <= 40 else self.text[:37] + "..."
+        return (
+            f"Response(finish_reason={self.finish_reason!r}, completion_tokens="
+            f"{self.usage.completion_tokens}, text={preview!r})"
+        )

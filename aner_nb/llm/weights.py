@@ -1,0 +1,77 @@
+"""Resident weights of one load, shared by every lease derived from it.
+
+The weights hold a count of the leases (and sessions) using them and free the
+native model when the last one lets go, whether it was closed explicitly or
+collected by its finalizer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from ._engine import NativeModel
+from .artifact import ModelFacts
+from .chat import ChatTemplate
+from .profiles import LoadSettings
+
+__all__ = ["LoadSummary", "SharedWeights"]
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    """What loading cost: both SHA-256 passes and the native load, in nanoseconds."""
+
+    fingerprint: str
+    file_bytes: int
+    hash_duration: int  # first pass, overlapped with the native load
+    load_duration: int  # llama_model_load_from_file
+    verify_duration: int  # second pass, after the weights are resident
+    total_duration: int
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class SharedWeights:
+    """One loaded model and what was learned about it while loading."""
+
+    def __init__(
+        self,
+        native: NativeModel,
+        facts: ModelFacts,
+        template: ChatTemplate,
+        settings: LoadSettings,
+        device: str,
+        summary: LoadSummary,
+    ) -> None:
+        self.native = native
+        self.facts = facts
+        self.template = template
+        self.settings = settings
+        self.device = device
+        self.summary = summary
+        self._users = 0
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.summary.fingerprint
+
+    @property
+    def released(self) -> bool:
+        return not self.native.alive
+
+    def retain(self) -> None:
+        with self._lock:
+            if not self.native.alive:
+                raise RuntimeError("weights were already freed")
+            self._users += 1
+
+    def release(self) -> None:
+        """Drop one user; the last one frees contexts, then the model."""
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.native.free()

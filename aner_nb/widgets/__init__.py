@@ -1,0 +1,1 @@
+"""Placeholder: see the open issues; nothing is exported yet."""

@@ -1,0 +1,121 @@
+"""aner_nb vs llama-cpp-python on the demo model: decode speed and cold load time.
+
+Two paired comparisons in one run, ABBA order, medians with min/max and the
+ratio of medians:
+
+1. Greedy decode tokens/s: ``model.stream(prompt)`` against
+   ``Llama.create_completion(prompt_tokens, stream=True)`` with the same
+   threads, context parameters, prompt tokens and token budget. Both sides
+   are timed the same way from outside: from the first streamed chunk to the
+   end of the stream, over the tokens generated after the first one (the
+   first token belongs to the prompt evaluation). Target: ratio >= 1.0.
+2. Cold load: ``llm.load(path)`` (both SHA-256 passes included) against
+   ``llama_cpp.Llama(model_path=...)`` construction. Target: ratio <= 1.5.
+
+Run: ``python benchmarks/bench_overhead.py [--rounds 7] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import llama_cpp
+
+from aner_nb import llm
+from aner_nb.bench import abba, compare, environment, format_comparison
+from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    path = str(demo_model_path())
+    model = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="off")
+    fingerprint = model.fingerprint
+    # The default profile's threads (the engine default, same rule as Llama's) are given to both sides.
+    probe = model.generate(PROMPT, max_tokens=1)
+    threads, prefill_threads = probe.timings.threads, probe.timings.prefill_threads
+    prompt_tokens = model.prompt_tokens(PROMPT)
+    ref = llama_cpp.Llama(
+        model_path=path, n_ctx=args.context, n_batch=512, n_ubatch=128, n_threads=threads,
+        n_threads_batch=prefill_threads, flash_attn=False, swa_full=False, n_gpu_layers=0, verbose=False,
+    )
+
+    def ours() -> float:
+        s = model.stream(PROMPT, max_tokens=args.max_tokens)
+        first = None
+        for _ in s:
+            if first is None:
+                first = time.perf_counter_ns()
+        end = time.perf_counter_ns()
+        n = s.response.timings.generated_tokens
+        return (n - 1) * 1e9 / (end - first)
+
+    ref_counts: list[int] = []
+
+    def theirs() -> float:
+        first = None
+        count = 0
+        # Forget the previous request so Llama evaluates the whole prompt, as aner_nb's ordinary lease
+        # does (its own prefix reuse is also unreliable on SWA models without swa_full).
+        ref.reset()
+        for _ in ref.create_completion(prompt_tokens, max_tokens=args.max_tokens, temperature=0.0, stream=True):
+            count += 1
+            if first is None:
+                first = time.perf_counter_ns()
+        end = time.perf_counter_ns()
+        ref_counts.append(count)
+        # create_completion streams one chunk per generated token (it holds back only incomplete UTF-8)
+        return (count - 1) * 1e9 / (end - first)
+
+    ours(), theirs()  # warm both once
+    a, b = abba(args.rounds, ours, theirs, ("aner_nb stream", "Llama.create_completion"))
+    decode = compare(f"greedy decode tokens/s, {args.max_tokens} tokens, threads={threads}", a, b, "tok/s", higher_is_better=True)
+    check = model.generate(PROMPT, max_tokens=args.max_tokens)
+    ref.reset()
+    ref_text = ref.create_completion(prompt_tokens, max_tokens=args.max_tokens, temperature=0.0)["choices"][0]["text"]
+    same = check.text == ref_text
+    ref.close()
+    model.close()
+    del ref, model
+    gc.collect()
+
+    def load_ours() -> float:
+        t0 = time.perf_counter_ns()
+        m = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE)
+        t = time.perf_counter_ns() - t0
+        m.close()
+        return t / 1e6
+
+    def load_theirs() -> float:
+        t0 = time.perf_counter_ns()
+        r = llama_cpp.Llama(model_path=path, n_ctx=args.context, n_gpu_layers=0, verbose=False)
+        t = time.perf_counter_ns() - t0
+        r.close()
+        return t / 1e6
+
+    load_ours(), load_theirs()
+    la, lb = abba(args.rounds, load_ours, load_theirs, ("llm.load (2 sha256 passes)", "Llama(model_path=...)"))
+    load = compare("cold load, ms", la, lb, "ms", higher_is_better=False)
+
+    print(f"model: {path}\nsha256: {fingerprint}")
+    print(f"same greedy text as Llama.create_completion: {same}")
+    print(format_comparison(decode))
+    print(format_comparison(load))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(), "decode": decode, "load": load, "same_text": same}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
