@@ -24,7 +24,7 @@ from .profiles import RequestSettings
 from .response import NOT_MEASURED, Response, Timings, Usage
 from .text import TextAssembler
 
-__all__ = ["Job", "run_request", "validate_only"]
+__all__ = ["Job", "SequenceOutput", "run_request", "validate_only"]
 
 _now = time.perf_counter_ns
 
@@ -44,30 +44,92 @@ class Job:
     result: Response | None = None
 
 
-def _finish(job: Job, tokens: list[int], text: str, reason: str, measured: dict[str, int]) -> Response:
-    values = dict(job.timings)
-    values.update(measured)
-    values["total_duration"] = _now() - job.t_call
-    response = Response(
-        text=text,
-        tokens=tuple(tokens),
-        finish_reason=reason,
-        usage=Usage(
-            prompt_tokens=len(job.prompt_tokens),
-            cached_input_tokens=max(job.timings.get("cached_input_tokens", 0), 0),
-            completion_tokens=len(tokens),
-        ),
-        timings=Timings(**values),
-        model=job.model_name,
-    )
-    job.result = response
-    return response
+class SequenceOutput:
+    """What one request has produced so far, and whether it is finished.
+
+    Shared by every decoding strategy: the plain runner, prompt-lookup
+    verification (several tokens per step) and the batching scheduler (one
+    per sequence). ``accept`` takes each verified token in order and returns
+    the text that became final; it stops at an end-of-generation token, a
+    stop string, ``max_tokens`` or a cancellation.
+    """
+
+    def __init__(self, model: NativeModel | None, job: Job) -> None:
+        self.model = model  # None only for validate_only, which accepts no token
+        self.job = job
+        self.tokens: list[int] = []
+        self.assembler = TextAssembler(job.request.stop)
+        self.finished = False
+        self.reason = "length"
+        prompt = len(job.prompt_tokens)
+        self.measured: dict[str, int] = {
+            "prompt_tokens": prompt,
+            "evaluated_prompt_tokens": prompt - job.n_cached,
+            "generated_tokens": 0,
+            "decode_calls": 0,
+        }
+        self.t_work = _now()
+        self.t_first = NOT_MEASURED
+
+    def accept(self, token: int) -> str:
+        """Record one verified token; returns newly final text (possibly empty)."""
+        if self.finished:
+            raise RuntimeError("accept() after the sequence finished")
+        now = _now()
+        m = self.measured
+        m["generated_tokens"] += 1
+        if self.t_first == NOT_MEASURED:
+            self.t_first = now
+            m["first_token_duration"] = now - self.t_work
+        m["decode_duration"] = now - self.t_first
+        assert self.model is not None
+        if self.model.is_eog(token):
+            return self._stop("stop")
+        self.tokens.append(token)
+        piece = self.assembler.feed(self.model.token_bytes(token))
+        if self.assembler.stopped:
+            self._stop("stop")
+        elif len(self.tokens) >= self.job.request.max_tokens:
+            self._stop("length")
+        elif self.job.cancel.is_set():
+            self._stop("cancelled")
+        return piece
+
+    def _stop(self, reason: str) -> str:
+        self.finished, self.reason = True, reason
+        return ""
+
+    def tail(self) -> str:
+        """Text held back for a possible stop string, released at the end."""
+        return self.assembler.finish()
+
+    def response(self, reason: str | None = None) -> Response:
+        """Build (and record on the job) the final Response."""
+        job = self.job
+        values = dict(job.timings)
+        values.update(self.measured)
+        values["total_duration"] = _now() - job.t_call
+        response = Response(
+            text=self.assembler.text,
+            tokens=tuple(self.tokens),
+            finish_reason=reason or self.reason,
+            usage=Usage(
+                prompt_tokens=len(job.prompt_tokens),
+                cached_input_tokens=max(job.timings.get("cached_input_tokens", 0), 0),
+                completion_tokens=len(self.tokens),
+            ),
+            timings=Timings(**values),
+            model=job.model_name,
+        )
+        job.result = response
+        return response
 
 
 def validate_only(job: Job) -> Generator[str, None, Response]:
     """``max_tokens=0``: the request was validated; nothing touches a context or the KV."""
-    measured = {"prompt_tokens": len(job.prompt_tokens), "generated_tokens": 0, "decode_calls": 0, "evaluated_prompt_tokens": 0}
-    return _finish(job, [], "", "length", measured)
+    out = SequenceOutput(None, job)
+    out.measured["evaluated_prompt_tokens"] = 0
+    return out.response("length")
     yield  # pragma: no cover - makes this a generator like run_request
 
 
@@ -103,59 +165,33 @@ def run_request(
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
     sampler = None if request.greedy else Sampler(request.temperature, request.seed)
-    assembler = TextAssembler(request.stop)
-    tokens: list[int] = []
-    measured = {
-        "prompt_tokens": len(prompt),
-        "evaluated_prompt_tokens": len(prompt) - job.n_cached,
-        "generated_tokens": 0,
-        "decode_calls": 0,
-    }
-    reason = "length"
-    t_first = NOT_MEASURED
-    t_work = _now()
+    out = SequenceOutput(model, job)
     try:
         t0 = _now()
         _prefill(ctx, batch, prompt, job.n_cached, seq)
         logits_row = batch.n_tokens - 1
-        measured["prompt_eval_duration"] = _now() - t0
+        out.measured["prompt_eval_duration"] = _now() - t0
         pos = len(prompt)
         while True:
             token = ctx.greedy(logits_row) if sampler is None else sampler.sample(ctx, logits_row)
-            now = _now()
-            measured["generated_tokens"] += 1
-            if t_first == NOT_MEASURED:
-                t_first = now
-                measured["first_token_duration"] = now - t_work
-            measured["decode_duration"] = now - t_first
-            if model.is_eog(token):
-                reason = "stop"
-                break
-            tokens.append(token)
-            piece = assembler.feed(model.token_bytes(token))
+            piece = out.accept(token)
             if piece:
                 yield piece
-            if assembler.stopped:
-                reason = "stop"
-                break
-            if len(tokens) >= request.max_tokens:
-                break
-            if job.cancel.is_set():
-                reason = "cancelled"
+            if out.finished:
                 break
             batch.clear()
             logits_row = batch.add(token, pos, seq, logits=True)
-            measured["decode_calls"] += 1
+            out.measured["decode_calls"] += 1
             if ctx.decode(batch) == DECODE_NO_KV_SLOT:
                 raise EngineError(f"no KV slot for position {pos} (context {ctx.n_ctx})")
             pos += 1
     except (GeneratorExit, KeyboardInterrupt):
-        _finish(job, tokens, assembler.text, "cancelled", measured)
+        out.response("cancelled")
         raise
     finally:
         if sampler is not None:
             sampler.free()
-    tail = assembler.finish()
+    tail = out.tail()
     if tail:
         yield tail
-    return _finish(job, tokens, assembler.text, reason, measured)
+    return out.response()
