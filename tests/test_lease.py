@@ -294,12 +294,19 @@ def test_explicit_accelerator_on_cpu_build_never_falls_back(llama_path, device):
 def test_file_changed_while_loading_is_detected(llama_path, tmp_path, monkeypatch):
     copy = tmp_path / "changing.gguf"
     shutil.copy(llama_path, copy)
-    real = _engine.NativeModel
+    real_load, real_hash = _engine.NativeModel, loader_module.sha256_file
+    first_pass_done = threading.Event()
     made: list = []
 
+    def hash_and_signal(path, **kwargs):
+        digest = real_hash(path, **kwargs)
+        first_pass_done.set()
+        return digest
+
     def load_then_modify(path, **kwargs):
-        native = real(path, **kwargs)
+        native = real_load(path, **kwargs)
         made.append(native)
+        assert first_pass_done.wait(10)  # the first pass saw the original bytes
         with open(path, "r+b") as f:  # someone rewrites a byte of tensor data mid-load
             f.seek(-1, 2)
             last = f.read(1)
@@ -308,6 +315,7 @@ def test_file_changed_while_loading_is_detected(llama_path, tmp_path, monkeypatc
         return native
 
     monkeypatch.setattr(_engine, "NativeModel", load_then_modify)
+    monkeypatch.setattr(loader_module, "sha256_file", hash_and_signal)
     with pytest.raises(errors.ArtifactChangedError, match="changed while loading"):
         llm.load(copy, context=CTX)
     assert made and not made[0].alive  # the loaded weights were freed
