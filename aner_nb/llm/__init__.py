@@ -20,11 +20,24 @@ from .stream import Stream
 from .summary import MemorySummary
 from .weights import LoadSummary
 
+
+def with_optimizer(model: LLMModel, **settings: int) -> LLMModel:
+    """Module form of :meth:`LLMModel.with_optimizer`."""
+    return model.with_optimizer(**settings)
+
+
+def with_context_pool(model: LLMModel, max_idle: int) -> LLMModel:
+    """Module form of :meth:`LLMModel.with_context_pool`."""
+    return model.with_context_pool(max_idle)
+
+
 __all__ = [
     "errors",
     "load",
     "native_available",
     "resolve_device",
+    "with_optimizer",
+    "with_context_pool",
     "LLMModel",
     "Session",
     "Stream",

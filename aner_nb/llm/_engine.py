@@ -320,6 +320,19 @@ class NativeContext(_Owner):
         """Remove positions [p0, p1) of ``seq``; False when a partial removal is impossible (SWA)."""
         return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
+    def trim(self, seq: int, keep: int) -> bool:
+        """Keep exactly positions 0..keep-1 of ``seq``; False if they are not all still there.
+
+        llama_memory_seq_rm can report success yet leave a sliding-window cache
+        without the cells the kept positions need (a window-sized SWA cache has
+        already dropped old positions), so the surviving range is checked.
+        """
+        if not self.seq_rm(seq, keep, -1):
+            return False
+        if keep == 0:
+            return self.seq_pos_max(seq) == -1
+        return self.seq_pos_min(seq) == 0 and self.seq_pos_max(seq) == keep - 1
+
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         self._lib.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 

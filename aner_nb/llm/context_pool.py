@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from ._engine import Batch, ContextParams, NativeContext, NativeModel
 
-__all__ = ["ContextSlot", "ContextPool"]
+__all__ = ["Acquired", "ContextSlot", "ContextPool"]
 
 
 @dataclass
@@ -28,6 +29,15 @@ class ContextSlot:
         self.batch.free()
 
 
+@dataclass
+class Acquired:
+    """A context handed to one request: ``n_cached`` prompt tokens already in its KV."""
+
+    slot: ContextSlot
+    n_cached: int
+    timings: dict[str, int]
+
+
 class ContextPool:
     """At most ``max_idle`` idle contexts; contexts in use are owned by their request."""
 
@@ -40,22 +50,28 @@ class ContextPool:
         self._closed = False
         self.created = 0
 
-    def acquire(self) -> tuple[ContextSlot, bool, int]:
-        """Return (slot, reused, clear_duration_ns); the slot's KV is empty."""
+    def acquire(self, prompt: Sequence[int] = ()) -> Acquired:
+        """An empty context: a retained idle one (cleared, timed) or a new one."""
         with self._lock:
             slot = self._idle.pop() if self._idle else None
         if slot is None:
             slot = ContextSlot(NativeContext(self.model, self.params), Batch(self.params.n_batch, self.params.n_seq_max))
             self.created += 1
-            return slot, False, -1
+            return Acquired(slot, 0, {"context_pool_reused": 0, "cached_input_tokens": 0})
         t0 = time.perf_counter_ns()
         slot.ctx.clear()
-        return slot, True, time.perf_counter_ns() - t0
+        clear = time.perf_counter_ns() - t0
+        return Acquired(slot, 0, {"context_pool_reused": 1, "context_clear_duration": clear, "cached_input_tokens": 0})
 
-    def give_back(self, slot: ContextSlot, *, reusable: bool) -> None:
-        """Keep the slot for the next request if there is room, else free it now."""
+    def give_back(self, slot: ContextSlot, prompt: Sequence[int] = (), *, outcome: str) -> None:
+        """Keep the slot for the next request if there is room, else free it now.
+
+        ``outcome`` is ``"ok"``, ``"cancelled"`` or ``"failed"``. The next
+        acquire clears the KV, so a cancelled request's context is reusable;
+        after a failure its state is unknown and it is freed.
+        """
         with self._lock:
-            keep = reusable and not self._closed and len(self._idle) < self.max_idle and slot.ctx.alive
+            keep = outcome != "failed" and not self._closed and len(self._idle) < self.max_idle and slot.ctx.alive
             if keep:
                 self._idle.append(slot)
         if not keep:

@@ -17,9 +17,10 @@ from typing import Any, Mapping, Sequence
 from ._engine import ContextParams, default_threads
 from .chat import validate_messages
 from .context_pool import ContextPool, ContextSlot
-from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowError, UnsupportedFeatureError
+from .prefix_pool import PrefixPool, common_prefix_length
+from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError
 from .memory import kv_estimate
-from .profiles import Profile, RequestSettings
+from .profiles import OptimizerSettings, Profile, RequestSettings
 from .response import Response
 from .runner import Job, run_request, validate_only
 from .stream import Stream
@@ -52,10 +53,12 @@ def prepare(
     if not tokens:
         raise ContextOverflowError("the formatted prompt is empty; a request needs at least one prompt token")
     if len(tokens) + request.max_tokens > context:
+        room = context - len(tokens)
+        advice = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
         raise ContextOverflowError(
             f"prompt of {len(tokens)} tokens plus max_tokens={request.max_tokens} is "
-            f"{len(tokens) + request.max_tokens}, above the context of {context}; "
-            f"shorten the prompt or lower max_tokens to at most {max(context - len(tokens), 0)}"
+            f"{len(tokens) + request.max_tokens}, above the context of {context}; {advice} "
+            "(nothing is truncated)"
         )
     return Prepared(request, tokens, t_call)
 
@@ -95,7 +98,7 @@ def profile_timings(params: ContextParams, profile: Profile) -> dict[str, int]:
 class _LeaseState:
     """Open/closed and the single active request; what the finalizer releases."""
 
-    def __init__(self, weights: SharedWeights, pool: ContextPool) -> None:
+    def __init__(self, weights: SharedWeights, pool: "ContextPool | PrefixPool") -> None:
         self.weights = weights
         self.pool = pool
         self.lock = threading.Lock()
@@ -143,11 +146,22 @@ class LLMModel:
 
     def __init__(self, weights: SharedWeights, profile: Profile | None = None) -> None:
         profile = profile or Profile()
+        opt = profile.optimizer
         weights.retain()
         self._weights = weights
         self._profile = profile
-        self._params = context_params(weights, profile)
-        self._state = _LeaseState(weights, ContextPool(weights.native, self._params, profile.max_idle_contexts))
+        # Latency contexts keep a full sliding-window cache: prefix trims and rejected
+        # proposals remove positions that a window-sized SWA cache may no longer hold.
+        self._params = context_params(weights, profile, swa_full=opt.is_latency_profile)
+        pool: ContextPool | PrefixPool
+        if opt.prefix_cache_entries:
+            pool = PrefixPool(
+                weights.native, self._params, capacity=opt.prefix_cache_entries,
+                max_tokens=opt.prefix_cache_tokens, trivial_prefix=_template_opening(weights),
+            )
+        else:
+            pool = ContextPool(weights.native, self._params, profile.max_idle_contexts)
+        self._state = _LeaseState(weights, pool)
         self._finalizer = weakref.finalize(self, self._state.release)
         self._finalizer.atexit = True
 
@@ -294,6 +308,11 @@ class LLMModel:
         if self._state.closed:
             raise ClosedError("this lease is closed; requests are not accepted (load or derive a new lease)")
         request = RequestSettings.of(max_tokens, temperature, seed, stop)
+        if self._profile.optimizer.speculative_tokens and not request.greedy:
+            raise InvalidRequestError(
+                f"temperature={request.temperature} is not allowed on a speculative lease: prompt-lookup "
+                "verification is greedy; use temperature=0, or a lease without speculative_tokens"
+            )
         return prepare(self._weights, messages, self.context, request, t_call)
 
     def _start(self, prepared: Prepared) -> tuple[Any, Job, Any]:
@@ -305,23 +324,64 @@ class LLMModel:
             model_name=self.name,
         )
         job.timings.update(profile_timings(self._params, self._profile))
-        job.timings["cached_input_tokens"] = 0  # ordinary leases keep empty contexts
         if prepared.request.max_tokens == 0:
             return validate_only(job), job, lambda ok: self._state.end()
-        slot, reused, clear_ns = self._state.pool.acquire()
-        job.timings["context_pool_reused"] = int(reused)
-        job.timings["context_clear_duration"] = clear_ns
-        gen = run_request(self._weights.native, slot.ctx, slot.batch, job)
+        pool = self._state.pool
+        acquired = pool.acquire(prepared.tokens)
+        job.n_cached = acquired.n_cached
+        job.timings.update(acquired.timings)
+        gen = run_request(
+            self._weights.native, acquired.slot.ctx, acquired.slot.batch, job,
+            speculative_tokens=self._profile.optimizer.speculative_tokens,
+        )
 
-        def done(ok: bool, slot: ContextSlot = slot) -> None:
+        def done(ok: bool, slot: ContextSlot = acquired.slot) -> None:
+            if job.result is None:
+                outcome = "failed"  # an engine error: the KV state is unknown
+            elif ok and job.result.finish_reason != "cancelled":
+                outcome = "ok"
+            else:
+                outcome = "cancelled"
             try:
-                # The next acquire clears the KV, so a cancelled context is still reusable;
-                # after an engine error its state is unknown and it is freed.
-                self._state.pool.give_back(slot, reusable=ok or job.result is not None)
+                pool.give_back(slot, prepared.tokens, outcome=outcome)
             finally:
                 self._state.end()
 
         return gen, job, done
+
+    # -- builders: each returns a NEW lease on the same weights ----------------
+    def with_optimizer(
+        self,
+        *,
+        threads: int = 0,
+        prefill_threads: int = 0,
+        batch_tokens: int = 512,
+        micro_batch_tokens: int = 128,
+        prefix_cache_entries: int = 0,
+        prefix_cache_tokens: int = 2048,
+        speculative_tokens: int = 0,
+    ) -> "LLMModel":
+        """A latency profile: engine threads and batch sizes, prefix cache, prompt-lookup speculation.
+
+        The new lease has its own (empty) prefix pool; this lease is unchanged.
+        """
+        settings = OptimizerSettings(
+            threads=threads, prefill_threads=prefill_threads, batch_tokens=batch_tokens,
+            micro_batch_tokens=micro_batch_tokens, prefix_cache_entries=prefix_cache_entries,
+            prefix_cache_tokens=prefix_cache_tokens, speculative_tokens=speculative_tokens,
+        )
+        self._check_open("with_optimizer()")
+        return LLMModel(self._weights, self._profile.with_(optimizer=settings))
+
+    def with_context_pool(self, max_idle: int) -> "LLMModel":
+        """The same profile keeping up to ``max_idle`` (0..4) idle contexts; 0 disables retention."""
+        profile = self._profile.with_(max_idle_contexts=max_idle)
+        self._check_open("with_context_pool()")
+        return LLMModel(self._weights, profile)
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise ClosedError(f"this lease is closed; {what} cannot derive from it (load or derive from an open lease)")
 
     # -- sessions and summaries -----------------------------------------------
     def session(self, system: str | None = None) -> "Session":
@@ -350,12 +410,21 @@ class LLMModel:
         )
 
 
+def _template_opening(weights: SharedWeights) -> int:
+    """Tokens every prompt of this template starts with (BOS, the first turn's header).
+
+    A prefix-cache match no longer than this is template-only and worth no entry.
+    """
+    render, tokenize = weights.template.render, weights.native.tokenize
+    a = tokenize(render([{"role": "user", "content": "a"}]))
+    b = tokenize(render([{"role": "user", "content": "b"}]))
+    return common_prefix_length(a, b)
+
+
 def _as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict, ...]:
     if isinstance(prompt, str):
         return validate_messages([{"role": "user", "content": prompt}])
     if strict_str:
-        from .errors import InvalidRequestError
-
         raise InvalidRequestError(
             f"prompt must be a string, got {type(prompt).__name__}; use chat(messages) for a message list"
         )

@@ -117,6 +117,11 @@ class OptimizerSettings:
         _int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
         _int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
         _int_in("speculative_tokens", self.speculative_tokens, 0, 16)
+        if self.speculative_tokens >= self.batch_tokens:
+            raise ConfigurationError(
+                f"batch_tokens ({self.batch_tokens}) must exceed speculative_tokens ({self.speculative_tokens}): "
+                "a verification batch holds the pending token plus every proposal"
+            )
 
     @property
     def is_latency_profile(self) -> bool:

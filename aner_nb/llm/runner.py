@@ -22,6 +22,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampl
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import NOT_MEASURED, Response, Timings, Usage
+from .lookup import NgramIndex
 from .text import TextAssembler
 
 __all__ = ["Job", "SequenceOutput", "run_request", "validate_only"]
@@ -152,9 +153,13 @@ def _prefill(ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int
 
 
 def run_request(
-    model: NativeModel, ctx: NativeContext, batch: Batch, job: Job
+    model: NativeModel, ctx: NativeContext, batch: Batch, job: Job, *, speculative_tokens: int = 0
 ) -> Generator[str, None, Response]:
     """Run ``job`` to completion, yielding each newly verified piece of text.
+
+    With ``speculative_tokens`` > 0 (greedy only), each step evaluates the
+    pending token plus up to that many prompt-lookup proposals in one batch
+    and keeps the proposals the model agrees with (see :func:`_verify`).
 
     The generator returns the Response. On cancellation (``job.cancel`` set,
     the generator closed, or KeyboardInterrupt) ``job.result`` holds a
@@ -164,27 +169,55 @@ def run_request(
     request, prompt, seq = job.request, job.prompt_tokens, job.seq
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
+    if speculative_tokens and not request.greedy:
+        raise ValueError("prompt-lookup speculation verifies greedy choices only")
     sampler = None if request.greedy else Sampler(request.temperature, request.seed)
     out = SequenceOutput(model, job)
+    index = NgramIndex(prompt) if speculative_tokens else None
+    if index is not None:
+        out.measured.update(speculative_proposed_tokens=0, speculative_accepted_tokens=0, speculative_verification_steps=0)
     try:
         t0 = _now()
         _prefill(ctx, batch, prompt, job.n_cached, seq)
-        logits_row = batch.n_tokens - 1
         out.measured["prompt_eval_duration"] = _now() - t0
-        pos = len(prompt)
+        row = batch.n_tokens - 1
+        token = ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)
+        pos = len(prompt)  # KV position of ``token``, which is sampled but not yet evaluated
+        verified = [token]
         while True:
-            token = ctx.greedy(logits_row) if sampler is None else sampler.sample(ctx, logits_row)
-            piece = out.accept(token)
-            if piece:
-                yield piece
+            for token in verified:
+                piece = out.accept(token)
+                if piece:
+                    yield piece
+                if out.finished:
+                    break
             if out.finished:
                 break
+            if index is not None:
+                index.extend(verified)
+            room = min(request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
+            drafts = index.propose(min(speculative_tokens, room)) if index is not None else []
             batch.clear()
-            logits_row = batch.add(token, pos, seq, logits=True)
+            batch.add(token, pos, seq, logits=True)
+            for i, draft in enumerate(drafts):
+                batch.add(draft, pos + 1 + i, seq, logits=True)
             out.measured["decode_calls"] += 1
             if ctx.decode(batch) == DECODE_NO_KV_SLOT:
-                raise EngineError(f"no KV slot for position {pos} (context {ctx.n_ctx})")
-            pos += 1
+                raise EngineError(f"no KV slot for positions {pos}..{pos + len(drafts)} (context {ctx.n_ctx})")
+            if drafts:
+                verified = _verify(ctx, drafts)
+                accepted = len(verified) - 1
+                m = out.measured
+                m["speculative_verification_steps"] += 1
+                m["speculative_proposed_tokens"] += len(drafts)
+                m["speculative_accepted_tokens"] += accepted
+                if accepted < len(drafts) and not ctx.seq_rm(seq, pos + 1 + accepted, -1):
+                    raise EngineError(f"could not remove rejected proposals at positions {pos + 1 + accepted}..")
+                # Rejected rows leave no trace: the KV ends at the last verified position.
+                pos += 1 + accepted
+            else:
+                verified = [ctx.greedy(0) if sampler is None else sampler.sample(ctx, 0)]
+                pos += 1
     except (GeneratorExit, KeyboardInterrupt):
         out.response("cancelled")
         raise
@@ -195,3 +228,22 @@ def run_request(
     if tail:
         yield tail
     return out.response()
+
+
+def _verify(ctx: NativeContext, drafts: Sequence[int]) -> list[int]:
+    """Greedy verification of one batch ``[pending, d0, d1, ...]`` (logits on every row).
+
+    Row ``i`` holds the model's choice after ``d0..d(i-1)``. Proposals are kept
+    while they equal that choice; the first disagreement is replaced by the
+    model's own token (the correction), and if all agree the last row yields
+    one more token. Returns the verified tokens: accepted proposals plus that
+    final token, exactly what plain greedy decoding would produce.
+    """
+    verified = []
+    for i, draft in enumerate(drafts):
+        choice = ctx.greedy(i)
+        verified.append(choice)
+        if choice != draft:
+            return verified
+    verified.append(ctx.greedy(len(drafts)))
+    return verified

@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Sequence
 
 from .context_pool import ContextSlot
+from .prefix_pool import reusable_prefix
 from .errors import BusyError, ClosedError, UnsupportedFeatureError
 from .lease import Prepared, context_params, prepare, profile_timings
 from .chat import validate_messages
@@ -25,25 +26,7 @@ from .stream import Stream
 from .weights import SharedWeights
 from ._engine import Batch, NativeContext
 
-__all__ = ["Session", "common_prefix_length", "reusable_prefix"]
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading positions where two token sequences are identical."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt tokens that can stay in the KV: the common prefix, leaving one token to evaluate.
-
-    Logits are produced only by the call that evaluates a row, so a fully
-    cached prompt still replays its last token.
-    """
-    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+__all__ = ["Session"]
 
 
 class _SessionState:
@@ -165,8 +148,8 @@ class Session:
         ctx = st.slot.ctx
         keep = reusable_prefix(self._kv_tokens, prepared.tokens)
         t0 = time.perf_counter_ns()
-        if not ctx.seq_rm(0, keep, -1):
-            keep = 0  # a partial removal was refused: start this turn from an empty KV
+        if not ctx.trim(0, keep):
+            keep = 0  # the kept range did not survive: start this turn from an empty KV
             ctx.clear()
         job.timings["context_clear_duration"] = time.perf_counter_ns() - t0
         job.timings["cached_input_tokens"] = keep

@@ -1,0 +1,202 @@
+"""Prefix cache of a latency profile: retained contexts whose KV holds earlier prompts.
+
+A request takes the retained context whose tokens share the longest identical
+prefix with its prompt, removes the divergent positions and evaluates only
+the rest. Only a successful request gives its context back, trimmed to its
+first ``prefix_cache_tokens`` prompt tokens (generated positions are always
+removed). Failed, cancelled or invalid contexts are freed.
+
+Trusted cache domain only: a pool serves one lease, and the timings of a
+request reveal how much of its prompt another request of the same lease sent
+before. Do not share one optimizer lease between users who must not learn
+each other's prompts.
+
+The policy (which entry, how much to keep, what to evict) is pure functions
+over token tuples; ``PrefixPool`` applies it to engine contexts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ._engine import Batch, ContextParams, NativeContext, NativeModel
+from .context_pool import Acquired, ContextSlot
+
+__all__ = [
+    "Choice",
+    "choose",
+    "common_prefix_length",
+    "reusable_prefix",
+    "retain_length",
+    "lru_victim",
+    "PrefixPool",
+]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading positions where two token sequences are identical."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens that can stay in the KV: the common prefix, leaving one token to evaluate.
+
+    Logits exist only for rows evaluated in the current call, so a fully
+    cached prompt still replays its last token; that token is not counted
+    as cached input.
+    """
+    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to do for one prompt: reuse ``entry`` keeping ``keep`` tokens, or start empty.
+
+    ``entry`` is None for a miss; then ``evict`` names the least recently used
+    entry to recycle when the pool is full, or is None when a new context may
+    be created (capacity remains) so no useful entry is lost.
+    """
+
+    entry: int | None
+    keep: int
+    evict: int | None = None
+
+
+def choose(
+    entries: Sequence[Sequence[int]],
+    last_used: Sequence[int],
+    prompt: Sequence[int],
+    *,
+    trivial_prefix: int,
+    capacity: int,
+    in_use: int = 0,
+) -> Choice:
+    """Pick the entry with the longest identical token prefix (most recent on ties).
+
+    A match no longer than ``trivial_prefix`` (the chat template's fixed
+    opening, BOS included) saves nothing worth an entry: while capacity
+    remains, such a request gets a fresh context and the entry stays.
+    """
+    best, best_len = None, 0
+    for i, tokens in enumerate(entries):
+        n = common_prefix_length(tokens, prompt)
+        if n > best_len or (n == best_len and best is not None and last_used[i] > last_used[best]):
+            best, best_len = i, n
+    if best is not None and best_len > trivial_prefix:
+        return Choice(best, reusable_prefix(entries[best], prompt))
+    if len(entries) + in_use < capacity or not entries:
+        return Choice(None, 0, None)
+    return Choice(None, 0, lru_victim(last_used))
+
+
+def lru_victim(last_used: Sequence[int]) -> int:
+    """Index of the least recently used entry."""
+    return min(range(len(last_used)), key=lambda i: last_used[i])
+
+
+def retain_length(prompt_len: int, cap: int) -> int:
+    """Prompt tokens kept after a successful request: at most ``cap``."""
+    return max(0, min(prompt_len, cap))
+
+
+class _Entry:
+    __slots__ = ("slot", "tokens", "last_used")
+
+    def __init__(self, slot: ContextSlot, tokens: tuple[int, ...], last_used: int) -> None:
+        self.slot = slot
+        self.tokens = tokens
+        self.last_used = last_used
+
+
+class PrefixPool:
+    """Retained contexts of one lease, at most ``capacity`` of them."""
+
+    def __init__(
+        self, model: NativeModel, params: ContextParams, *, capacity: int, max_tokens: int, trivial_prefix: int
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.capacity = capacity
+        self.max_tokens = max_tokens
+        self.trivial_prefix = trivial_prefix
+        self._entries: list[_Entry] = []
+        self._in_use = 0
+        self._clock = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self.created = 0
+
+    def _new_slot(self) -> ContextSlot:
+        self.created += 1
+        return ContextSlot(NativeContext(self.model, self.params), Batch(self.params.n_batch, self.params.n_seq_max))
+
+    def acquire(self, prompt: Sequence[int]) -> Acquired:
+        with self._lock:
+            entries = self._entries
+            choice = choose(
+                [e.tokens for e in entries], [e.last_used for e in entries], prompt,
+                trivial_prefix=self.trivial_prefix, capacity=self.capacity, in_use=self._in_use,
+            )
+            retained = (len(entries), sum(len(e.tokens) for e in entries))  # as the request found it
+            index = choice.entry if choice.entry is not None else choice.evict
+            taken = entries.pop(index) if index is not None else None
+            self._in_use += 1
+        timings = {"prefix_cache_entries": retained[0], "prefix_cache_retained_tokens": retained[1]}
+        if taken is None:
+            slot = self._new_slot()
+            timings.update(prefix_cache_hit=0, cached_input_tokens=0, context_pool_reused=0)
+            return Acquired(slot, 0, timings)
+        t0 = time.perf_counter_ns()
+        keep = choice.keep
+        if keep == 0 or not taken.slot.ctx.trim(0, keep):
+            # The kept range did not survive (a sliding-window cache without swa_full): no reuse.
+            taken.slot.ctx.clear()
+            keep = 0
+        timings.update(
+            context_clear_duration=time.perf_counter_ns() - t0,
+            prefix_cache_hit=int(keep > 0),
+            cached_input_tokens=keep,
+            context_pool_reused=1,
+        )
+        return Acquired(taken.slot, keep, timings)
+
+    def give_back(self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str) -> None:
+        """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else."""
+        keep = retain_length(len(prompt), self.max_tokens)
+        retained = outcome == "ok" and keep > 0 and slot.ctx.alive and slot.ctx.trim(0, keep)
+        evicted: list[_Entry] = []
+        with self._lock:
+            self._in_use -= 1
+            if retained and not self._closed:
+                self._clock += 1
+                self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock))
+                while len(self._entries) > self.capacity:
+                    evicted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])))
+            else:
+                evicted.append(_Entry(slot, (), 0))
+        for entry in evicted:
+            entry.slot.free()
+
+    @property
+    def entries(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def retained_tokens(self) -> list[tuple[int, ...]]:
+        """The token prefixes held, most recently used last (for tests and dashboards)."""
+        with self._lock:
+            return [e.tokens for e in sorted(self._entries, key=lambda e: e.last_used)]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries, self._entries = self._entries, []
+        for entry in entries:
+            entry.slot.free()

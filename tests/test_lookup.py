@@ -1,0 +1,69 @@
+"""Prompt-lookup proposals: the pure reference and the incremental index agree."""
+
+from hypothesis import given, settings, strategies as st
+
+from aner_nb.llm.lookup import NgramIndex, propose
+
+
+def test_longest_suffix_wins_over_shorter_more_recent_match():
+    #            0  1  2  3  4  5  6  7  8  9
+    history = [1, 2, 3, 4, 9, 2, 3, 7, 1, 2, 3]
+    # suffix (1,2,3) occurred at 0 -> followed by 4, 9, ...; (2,3) alone occurred later at 5 -> 7
+    assert propose(history, 3) == [4, 9, 2]
+
+
+def test_most_recent_occurrence_of_the_same_length():
+    history = [5, 6, 1, 5, 6, 2, 5, 6]
+    assert propose(history, 1) == [2]
+
+
+def test_no_match_and_limits():
+    assert propose([1, 2, 3, 4], 4) == []
+    assert propose([1, 2, 1, 2], 0) == []
+    assert propose([1, 2, 9, 1, 2], 10) == [9, 1, 2]  # proposals may run into the suffix itself
+    assert propose([7], 3) == []
+
+
+def test_single_token_suffix_is_not_enough():
+    assert propose([1, 5, 2, 5], 2) == []  # only a 1-token match: below the 2-token minimum
+
+
+def test_window_limits_the_search():
+    old = [1, 2, 3]
+    filler = list(range(100, 130))
+    history = old + filler + [1, 2]
+    assert propose(history, 1) == [3]
+    assert propose(history, 1, window=len(filler) + 2) == []
+    index = NgramIndex(history, window=len(filler) + 2)
+    assert index.propose(1) == []
+
+
+def test_repeated_runs_propose_the_repetition():
+    assert propose([4, 4, 4, 4], 3) == [4]  # latest earlier (4,4,4) at 0 -> followed by the last 4
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.integers(0, 5), max_size=60),
+    st.integers(0, 10),
+    st.integers(2, 80),
+)
+def test_incremental_index_equals_reference(tokens, k, window):
+    index = NgramIndex(window=window)
+    for i, t in enumerate(tokens):
+        index.append(t)
+        assert index.propose(k) == propose(tokens[: i + 1], k, window=window)
+
+
+@given(st.lists(st.integers(0, 3), min_size=3, max_size=40), st.integers(1, 8))
+def test_proposals_continue_an_earlier_occurrence(tokens, k):
+    out = propose(tokens, k)
+    if out:
+        # some n-gram of length >= 2 equal to the suffix is followed by exactly these tokens
+        found = False
+        for n in range(2, 9):
+            suffix = tokens[-n:]
+            for s in range(len(tokens) - n):
+                if tokens[s : s + n] == suffix and tokens[s + n : s + n + len(out)] == out:
+                    found = True
+        assert found
