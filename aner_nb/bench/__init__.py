@@ -1,5 +1,22 @@
-"""Paired benchmarks: ABBA rounds, medians with min/max, ratios against a baseline."""
+"""Paired benchmarks: ABBA rounds, medians with min/max, ratios against a baseline, manifests."""
 
+from ..llm.diagnostics import Divergence, first_divergence as divergence
+from .harness import BenchResult, Case, Side, lease_side, manifest, response_row, run_sides
 from .paired import Series, abba, compare, environment, format_comparison
 
-__all__ = ["Series", "abba", "compare", "environment", "format_comparison"]
+__all__ = [
+    "Case",
+    "Side",
+    "BenchResult",
+    "lease_side",
+    "response_row",
+    "run_sides",
+    "manifest",
+    "divergence",
+    "Divergence",
+    "Series",
+    "abba",
+    "compare",
+    "environment",
+    "format_comparison",
+]

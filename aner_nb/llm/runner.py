@@ -25,7 +25,7 @@ from .response import NOT_MEASURED, Response, Timings, Usage
 from .lookup import NgramIndex
 from .text import TextAssembler
 
-__all__ = ["Job", "SequenceOutput", "run_request", "validate_only"]
+__all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only"]
 
 _now = time.perf_counter_ns
 
@@ -134,7 +134,7 @@ def validate_only(job: Job) -> Generator[str, None, Response]:
     yield  # pragma: no cover - makes this a generator like run_request
 
 
-def _prefill(ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int) -> int:
+def prefill(ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int) -> int:
     """Evaluate ``tokens[start:]`` at positions ``start..``; logits only for the last row.
 
     Returns the number of llama_decode calls. Chunks are at most ``n_batch``
@@ -178,7 +178,7 @@ def run_request(
         out.measured.update(speculative_proposed_tokens=0, speculative_accepted_tokens=0, speculative_verification_steps=0)
     try:
         t0 = _now()
-        _prefill(ctx, batch, prompt, job.n_cached, seq)
+        prefill(ctx, batch, prompt, job.n_cached, seq)
         out.measured["prompt_eval_duration"] = _now() - t0
         row = batch.n_tokens - 1
         token = ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)

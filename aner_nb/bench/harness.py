@@ -1,0 +1,177 @@
+"""Paired request benchmarks: the same cases on several sides, ABBA order, one DataFrame.
+
+A *side* is a name and a function that runs one :class:`Case` and returns a
+row of measurements (``lease_side`` builds one from any lease). Every round
+runs every case on every side; even rounds go forward through the sides, odd
+rounds backward, so warm-up effects and drift hit all sides alike. Warm-up
+rounds are run and dropped. The result keeps every row, a manifest of what was
+measured (package versions, model fingerprint, device, threads, profile), and
+summarises medians with min/max and ratios against a baseline side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+
+__all__ = ["Case", "Side", "BenchResult", "lease_side", "run_sides", "manifest", "METRICS"]
+
+# Metrics a lease side reports (milliseconds, tokens, tokens per second).
+METRICS = (
+    "first_token_ms",
+    "prompt_eval_ms",
+    "decode_ms",
+    "total_ms",
+    "completion_tokens",
+    "decode_tokens_per_s",
+    "cached_input_tokens",
+    "speculative_proposed",
+    "speculative_accepted",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request: the same prompt, budget and seed on every side."""
+
+    name: str
+    prompt: str
+    max_tokens: int = 64
+    seed: int = 0
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class Side:
+    name: str
+    run: Callable[[Case], Mapping[str, Any]]
+
+
+def _ms(ns: int) -> float:
+    return float("nan") if ns < 0 else ns / 1e6
+
+
+def response_row(response: Any) -> dict[str, Any]:
+    """Measurements of one Response, -1 (not measured) as NaN."""
+    t = response.timings
+    tps = response.tokens_per_second()
+    return {
+        "first_token_ms": _ms(t.first_token_duration),
+        "prompt_eval_ms": _ms(t.prompt_eval_duration),
+        "decode_ms": _ms(t.decode_duration),
+        "total_ms": _ms(t.total_duration),
+        "completion_tokens": response.usage.completion_tokens,
+        "decode_tokens_per_s": float("nan") if tps < 0 else tps,
+        "cached_input_tokens": response.usage.cached_input_tokens,
+        "speculative_proposed": float("nan") if t.speculative_proposed_tokens < 0 else t.speculative_proposed_tokens,
+        "speculative_accepted": float("nan") if t.speculative_accepted_tokens < 0 else t.speculative_accepted_tokens,
+        "output_hash": response.output_hash,
+        "text": response.text,
+        "tokens": response.tokens,
+    }
+
+
+def lease_side(name: str, lease: Any) -> Side:
+    """A side that sends each case to ``lease.generate``."""
+
+    def run(case: Case) -> dict[str, Any]:
+        r = lease.generate(case.prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
+        return response_row(r)
+
+    return Side(name, run)
+
+
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def manifest(model: Any = None, **extra: Any) -> dict[str, Any]:
+    """What a result was measured with: packages, machine, model fingerprint, device, profile."""
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "packages": {p: _package_version(p) for p in ("aner-nb", "llama-cpp-python", "numpy", "gguf")},
+    }
+    if model is not None:
+        profile = getattr(model, "profile", None)
+        out["model"] = {
+            "name": model.name,
+            "fingerprint": model.fingerprint,
+            "architecture": model.architecture,
+            "device": model.device,
+            "context": model.context,
+            "profile": dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else repr(profile),
+        }
+    out.update(extra)
+    return out
+
+
+@dataclass
+class BenchResult:
+    """Every measured row plus the manifest; summaries are computed from the rows."""
+
+    frame: pd.DataFrame
+    manifest: dict[str, Any] = field(default_factory=dict)
+    baseline: str = ""
+
+    def summary(self, metrics: Sequence[str] = ("first_token_ms", "decode_tokens_per_s", "total_ms")) -> pd.DataFrame:
+        """Median, min and max per side and metric, and the ratio of medians to the baseline side."""
+        rows = []
+        for side, group in self.frame.groupby("side", sort=False):
+            for metric in metrics:
+                values = group[metric].astype(float).dropna()
+                if values.empty:
+                    continue
+                rows.append({"side": side, "metric": metric, "median": values.median(), "min": values.min(),
+                             "max": values.max(), "n": len(values)})
+        table = pd.DataFrame(rows)
+        if table.empty:
+            return table
+        base = table[table.side == self.baseline].set_index("metric")["median"]
+        table["ratio_to_baseline"] = [row["median"] / base.get(row["metric"], float("nan")) for _, row in table.iterrows()]
+        return table
+
+    def ratio(self, side: str, metric: str) -> float:
+        """Median of ``metric`` on ``side`` over its median on the baseline."""
+        f = self.frame
+        return float(f[f.side == side][metric].median() / f[f.side == self.baseline][metric].median())
+
+    def same_outputs(self, side: str) -> pd.Series:
+        """Per case: does ``side`` produce the baseline's output (compared by output hash)?"""
+        f = self.frame
+        base = f[f.side == self.baseline].groupby("case")["output_hash"].first()
+        other = f[f.side == side].groupby("case")["output_hash"].first()
+        return (base == other).rename(f"{side} == {self.baseline}")
+
+
+def run_sides(
+    sides: Sequence[Side],
+    cases: Sequence[Case],
+    *,
+    rounds: int = 3,
+    warmup: int = 1,
+    baseline: str | None = None,
+    manifest_: Mapping[str, Any] | None = None,
+) -> BenchResult:
+    """Run every case on every side ``warmup + rounds`` times (ABBA order) and collect the rows."""
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds}, {warmup}")
+    rows = []
+    for r in range(warmup + rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for case in cases:
+            for side in order:
+                row = dict(side.run(case))
+                if r >= warmup:
+                    rows.append({"side": side.name, "round": r - warmup, "case": case.name, **row})
+    return BenchResult(pd.DataFrame(rows), dict(manifest_ or {}), baseline or sides[0].name)
