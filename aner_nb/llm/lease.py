@@ -19,6 +19,7 @@ from .chat import validate_messages
 from .context_pool import ContextPool, ContextSlot
 from .prefix_pool import PrefixPool, common_prefix_length
 from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError
+from .artifact import ModelFacts
 from .memory import kv_estimate
 from .profiles import OptimizerSettings, Profile, RequestSettings
 from .response import Response
@@ -193,6 +194,11 @@ class LLMModel:
     @property
     def profile(self) -> Profile:
         return self._profile
+
+    @property
+    def facts(self) -> "ModelFacts":
+        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
+        return self._weights.facts
 
     @property
     def closed(self) -> bool:
@@ -391,6 +397,14 @@ class LLMModel:
         if self.closed:
             raise ClosedError("this lease is closed; a session cannot be opened on it")
         return Session(self._weights, self._profile, system=system, model_name=self.name)
+
+    def with_batching(self, max_sequences: int) -> "BatchingModel":
+        """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests."""
+        from .batching import BatchingModel
+
+        if self.closed:
+            raise ClosedError("this lease is closed; with_batching() cannot derive from it (load or derive from an open lease)")
+        return BatchingModel(self._weights, self._profile, max_sequences)
 
     def load_summary(self) -> LoadSummary:
         return self._weights.summary

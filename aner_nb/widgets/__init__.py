@@ -1,1 +1,45 @@
-"""Placeholder: see the open issues; nothing is exported yet."""
+"""Notebook dashboards: timings, speculative statistics, KV budget, batching monitor, benchmark plots.
+
+Each function returns a view object that displays as an ipywidgets panel in
+Jupyter and carries a static fallback (``_repr_html_``, ``to_frame()``, and a
+PNG where there is a chart) for saved notebooks, GitHub and nbval. This
+package uses :mod:`aner_nb.llm`; the library never imports it.
+
+* :func:`timings_panel` where the time of one or many responses went;
+* :func:`speculative_panel` prompt-lookup proposals, acceptance, off/on comparison;
+* :func:`kv_budget` KV bytes by formula vs context and KV type, against a memory budget;
+* :func:`batching_monitor` live counters of a batching lease (protocol in
+  :mod:`aner_nb.widgets.batching`) and per-request latencies;
+* :func:`bench_plot` paired benchmark medians with min/max whiskers.
+"""
+
+from __future__ import annotations
+
+from .batching import STATS_FIELDS, BatchingMonitor, batching_monitor, latency_frame, read_stats
+from .bench_plot import BenchPlot, bench_frame, bench_plot
+from .kv_budget import DEFAULT_BUDGET_BYTES, KVBudget, KVFacts, kv_budget, kv_facts
+from .speculative import SpeculativePanel, speculative_panel, speculative_stats
+from .timings import TimingsPanel, segments_ns, timings_frame, timings_panel
+
+__all__ = [
+    "timings_panel",
+    "timings_frame",
+    "segments_ns",
+    "TimingsPanel",
+    "speculative_panel",
+    "speculative_stats",
+    "SpeculativePanel",
+    "kv_budget",
+    "kv_facts",
+    "KVBudget",
+    "KVFacts",
+    "DEFAULT_BUDGET_BYTES",
+    "batching_monitor",
+    "BatchingMonitor",
+    "latency_frame",
+    "read_stats",
+    "STATS_FIELDS",
+    "bench_plot",
+    "bench_frame",
+    "BenchPlot",
+]
