@@ -1,0 +1,427 @@
+"""``BatchingModel``: the throughput profile, many concurrent requests on one context.
+
+``model.with_batching(max_sequences)`` returns a new lease on the same
+weights that owns one llama context (``n_seq_max = max_sequences``, one KV
+stream per sequence: each gets ``context // max_sequences`` cells) and one
+scheduler thread (see :mod:`aner_nb.llm.scheduler` for the step policy and
+why the context is split this way). ``generate``, ``chat`` and ``stream``
+may be called from many threads at once; each call becomes one sequence of
+the shared batch. Up to ``queue_limit`` (8) requests wait for a free
+sequence; beyond that a call fails at once with ``BusyError``.
+
+Timings of a batched response: ``queue_duration`` runs from submission to
+admission (a sequence id became free); ``prompt_eval_duration`` and
+``first_token_duration`` run from admission; ``batch_max_sequences`` is
+``max_sequences``, ``batch_peak_sequences`` the most sequences that shared a
+step with the request, ``scheduler_steps`` the steps (``llama_decode``
+calls) it took part in and ``batch_decoded_tokens`` the rows those steps
+evaluated, its own and the other sequences'. There is no context pool, so
+``context_clear_duration`` and ``context_pool_reused`` are -1.
+
+Lifetime: the lease retains the weights, so closing the source lease does
+not affect accepted requests. ``close()`` rejects new requests, lets every
+accepted one finish, then the scheduler thread frees the context and exits;
+a finalizer does the same (without waiting) when the lease is collected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Mapping, Sequence
+
+from ._engine import Batch, NativeContext
+from .artifact import ModelFacts
+from .chat import validate_messages
+from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
+from .lease import FEATURES, Prepared, _as_messages, context_params, prepare, profile_timings
+from .memory import kv_estimate
+from .profiles import Profile, RequestSettings
+from .response import Response
+from .runner import Job, validate_only
+from .scheduler import Outbox, Request, Scheduler, SchedulerStats
+from .stream import Stream
+from .summary import MemorySummary, memory_summary
+from .weights import LoadSummary, SharedWeights
+
+__all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT"]
+
+MAX_SEQUENCES = 64
+QUEUE_LIMIT = 8
+STREAM_BUFFER = 16
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigurationError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    """A throughput profile: concurrent sequences, waiting-queue bound, stream buffer (pieces)."""
+
+    max_sequences: int
+    queue_limit: int = QUEUE_LIMIT
+    stream_buffer: int = STREAM_BUFFER
+
+    def __post_init__(self) -> None:
+        _int_in("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
+        _int_in("queue_limit", self.queue_limit, 1, 1024)
+        _int_in("stream_buffer", self.stream_buffer, 1, 65536)
+
+
+def with_batching(model: Any, max_sequences: int) -> "BatchingModel":
+    """Module form of :meth:`LLMModel.with_batching`."""
+    return model.with_batching(max_sequences)
+
+
+class BatchingModel:
+    """A throughput lease: concurrent requests share one context and one scheduler thread.
+
+    Create it with ``model.with_batching(max_sequences)``. Requests take the
+    same arguments as on :class:`LLMModel`; ``generate``/``chat`` also accept
+    ``on_text``, a callable run on the scheduler thread with each newly final
+    piece (keep it quick; it must not submit to or read from this lease).
+    """
+
+    def __init__(self, weights: SharedWeights, profile: Profile, max_sequences: int) -> None:
+        settings = BatchingSettings(max_sequences=max_sequences)
+        opt = profile.optimizer
+        if opt.is_latency_profile:
+            raise ConfigurationError(
+                f"with_batching() cannot be combined with a latency profile (prefix_cache_entries="
+                f"{opt.prefix_cache_entries}, speculative_tokens={opt.speculative_tokens}); derive the "
+                "batching lease from a lease without prefix cache or speculation"
+            )
+        if getattr(profile, "adapter", None) is not None:
+            raise ConfigurationError(
+                "with_batching() cannot be combined with an adapter profile (the shared context would not "
+                "apply the adapter); derive the batching lease from the base lease"
+            )
+        if opt.batch_tokens < settings.max_sequences:
+            raise ConfigurationError(
+                f"batch_tokens ({opt.batch_tokens}) must be >= max_sequences ({settings.max_sequences}): "
+                "every step holds one decode row per running sequence"
+            )
+        context = weights.settings.context
+        if context < settings.max_sequences:
+            raise ConfigurationError(
+                f"max_sequences ({settings.max_sequences}) must be <= the context ({context}): each sequence "
+                "gets an equal share of the context's cells"
+            )
+        weights.retain()
+        ctx = batch = None
+        try:
+            # One KV stream per sequence: cells stay in position order, so output equals a solo run.
+            params = dataclasses.replace(
+                context_params(weights, profile, n_seq_max=settings.max_sequences), kv_unified=False
+            )
+            ctx = NativeContext(weights.native, params)
+            batch = Batch(params.n_batch, 1)
+            scheduler = Scheduler(
+                model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
+                batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
+                queue_limit=settings.queue_limit, on_exit=weights.release,
+                name=f"aner-scheduler-{weights.facts.name}",
+            )
+        except BaseException:
+            for owner in (batch, ctx):
+                if owner is not None:
+                    owner.free()
+            weights.release()
+            raise
+        self._weights = weights
+        self._profile = profile
+        self._settings = settings
+        self._params = params
+        self._scheduler = scheduler
+        # The scheduler must not reference the lease, or the lease could never be collected.
+        self._finalizer = weakref.finalize(self, scheduler.shutdown, wait=False)
+        self._finalizer.atexit = True
+
+    # -- metadata (readable after close) -------------------------------------
+    @property
+    def name(self) -> str:
+        return self._weights.facts.name
+
+    @property
+    def architecture(self) -> str:
+        return self._weights.facts.architecture
+
+    @property
+    def fingerprint(self) -> str:
+        return self._weights.fingerprint
+
+    @property
+    def context(self) -> int:
+        """Cells of the one shared context (split equally between the sequences)."""
+        return self._weights.settings.context
+
+    @property
+    def sequence_context(self) -> int:
+        """Cells each sequence may use: a request's prompt plus max_tokens must fit them."""
+        return self._scheduler.sequence_context
+
+    @property
+    def device(self) -> str:
+        return self._weights.device
+
+    @property
+    def path(self) -> str:
+        return self._weights.facts.path
+
+    @property
+    def profile(self) -> Profile:
+        """The engine settings inherited from the source lease."""
+        return self._profile
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
+        return self._weights.facts
+
+    @property
+    def batching(self) -> BatchingSettings:
+        return self._settings
+
+    @property
+    def max_sequences(self) -> int:
+        return self._settings.max_sequences
+
+    @property
+    def chat_template(self) -> str:
+        return self._weights.template.origin
+
+    @property
+    def closed(self) -> bool:
+        return self._scheduler.closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"<BatchingModel {self.name!r} {self.architecture} throughput max_sequences={self.max_sequences} "
+            f"ctx={self.context} device={self.device} sha256={self.fingerprint[:12]} {state}>"
+        )
+
+    # -- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Reject new requests, finish accepted ones, then free the context and join the thread."""
+        self._scheduler.shutdown(wait=True)
+
+    def __enter__(self) -> "BatchingModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def supports(self, feature: str) -> bool:
+        """Whether this lease can do ``feature`` now; closed leases support nothing."""
+        if feature not in FEATURES:
+            raise ConfigurationError(f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}")
+        return not self.closed and feature in ("generate", "chat", "stream", "continuous_batching")
+
+    # Builders and sessions need a context of their own; a batching lease has one shared context.
+    def _no_builder(self, what: str) -> UnsupportedFeatureError:
+        return UnsupportedFeatureError(
+            f"{what} is not available on a batching lease (the throughput profile cannot be combined with "
+            "sessions, latency profiles, context pools or adapters); call it on the source lease"
+        )
+
+    def session(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_builder("session()")
+
+    def with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_builder("with_optimizer()")
+
+    def with_context_pool(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_builder("with_context_pool()")
+
+    def with_adapter(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_builder("with_adapter()")
+
+    def with_batching(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._no_builder("with_batching()")
+
+    # -- requests ---------------------------------------------------------------
+    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
+        """The exact token ids a request with this prompt (or message list) evaluates."""
+        text = self._weights.template.render(_as_messages(prompt), add_generation_prompt=True)
+        return self._weights.native.tokenize(text, add_special=False, parse_special=True)
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Response:
+        """Answer one user message; blocks until this request's sequence finishes."""
+        prepared = self._prepare(_as_messages(prompt, strict_str=True), max_tokens, temperature, seed, stop)
+        return self._await(self._submit(prepared, on_text=on_text))
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Response:
+        """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]``."""
+        prepared = self._prepare(validate_messages(messages), max_tokens, temperature, seed, stop)
+        return self._await(self._submit(prepared, on_text=on_text))
+
+    def stream(
+        self,
+        prompt: "str | Sequence[Mapping[str, Any]]",
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+    ) -> Stream:
+        """Yield verified pieces as this sequence produces them.
+
+        Pieces wait in a small per-request buffer; while it is full the
+        sequence pauses (others continue). ``cancel()`` or Ctrl-C ends only
+        this sequence.
+        """
+        prepared = self._prepare(_as_messages(prompt), max_tokens, temperature, seed, stop)
+        job = self._job(prepared)
+        if prepared.request.max_tokens == 0:
+            return Stream(validate_only(job), job, lambda ok: None)
+        s = self._scheduler
+        outbox = Outbox(self._settings.stream_buffer, s.wake, s.guard)
+        req = s.submit(Request(job, outbox=outbox))
+        return Stream(_pieces(req), job, req.settle)
+
+    def generate_many(
+        self,
+        prompts: Sequence["str | Sequence[Mapping[str, Any]]"],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop: Any = None,
+    ) -> list[Response]:
+        """Submit every prompt concurrently and return the responses in order.
+
+        All prompts are validated before any is submitted. Submission waits
+        for queue room instead of failing, so lists longer than the queue
+        work; a failed request raises its error once all have ended.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InvalidRequestError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        prepared = [self._prepare(_as_messages(p), max_tokens, temperature, seed, stop) for p in prompts]
+        requests: list[Request | Response] = []
+        try:
+            for p in prepared:
+                requests.append(self._submit(p, block=True))
+            for r in requests:
+                if isinstance(r, Request):
+                    r.wait()
+        except BaseException:
+            pending = [r for r in requests if isinstance(r, Request)]
+            for r in pending:
+                r.cancel()
+            if not self._scheduler.on_scheduler_thread():
+                for r in pending:
+                    r.wait()
+            raise
+        return [r.result() if isinstance(r, Request) else r for r in requests]
+
+    def _prepare(self, messages: Any, max_tokens: Any, temperature: Any, seed: Any, stop: Any) -> Prepared:
+        t_call = time.perf_counter_ns()
+        if self.closed:
+            raise ClosedError("this batching lease is closed; requests are not accepted (derive a new one)")
+        request = RequestSettings.of(max_tokens, temperature, seed, stop)
+        try:
+            return prepare(self._weights, messages, self.sequence_context, request, t_call)
+        except ContextOverflowError as exc:
+            raise ContextOverflowError(
+                f"{exc} (this batching lease splits its context of {self.context} cells between "
+                f"{self.max_sequences} sequences, {self.sequence_context} each; use fewer sequences or "
+                "load with a larger context)"
+            ) from None
+
+    def _job(self, prepared: Prepared) -> Job:
+        job = Job(prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=self.name)
+        job.timings.update(profile_timings(self._params, self._profile))
+        job.timings["cached_input_tokens"] = 0
+        job.timings["batch_max_sequences"] = self.max_sequences
+        return job
+
+    def _submit(
+        self, prepared: Prepared, *, on_text: Callable[[str], None] | None = None, block: bool = False
+    ) -> "Request | Response":
+        if on_text is not None and not callable(on_text):
+            raise InvalidRequestError(f"on_text must be a callable taking a str, got {type(on_text).__name__}")
+        job = self._job(prepared)
+        if prepared.request.max_tokens == 0:
+            return _drain(validate_only(job))  # validated; no queue, no KV
+        return self._scheduler.submit(Request(job, on_text=on_text), block=block)
+
+    def _await(self, req: "Request | Response") -> Response:
+        if isinstance(req, Response):
+            return req
+        try:
+            req.wait()
+        except BaseException:  # KeyboardInterrupt: cancel this sequence only, then re-raise
+            req.cancel()
+            req.wait()
+            raise
+        return req.result()
+
+    # -- summaries -----------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler's counters (steps, tokens, peak sequences, queue)."""
+        return self._scheduler.stats()
+
+    def load_summary(self) -> LoadSummary:
+        return self._weights.summary
+
+    def memory_summary(self) -> MemorySummary:
+        """Weights, the KV estimate of the whole shared context, and the process's measured memory."""
+        facts = self._weights.facts
+        kv = kv_estimate(
+            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
+            self._weights.settings.kv_cache_type,
+        )
+        return memory_summary(
+            self._weights,
+            kv_bytes=kv,
+            kv_scope=(
+                f"whole scheduler (one shared context: {self.max_sequences} sequences x "
+                f"{self.sequence_context} cells)"
+            ),
+            contexts=self._weights.native.live_contexts(),
+        )
+
+
+def _pieces(req: Request) -> Generator[str, None, Response]:
+    """The consumer side of a batched stream; returns the Response or raises the request's error."""
+    assert req.outbox is not None
+    while True:
+        piece = req.outbox.get()
+        if piece is None:
+            break
+        yield piece
+    return req.result()
+
+
+def _drain(gen: Generator[str, None, Response]) -> Response:
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value

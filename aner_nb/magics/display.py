@@ -1,0 +1,164 @@
+"""Showing a streamed answer: ONE display, updated in place, throttled.
+
+A notebook gets a single output created with ``display(..., display_id=True)``
+and updated with ``.update`` at most every ``interval`` seconds while pieces
+arrive, then replaced by the timings panel. A terminal IPython cannot update
+an output in place, so it gets the pieces printed as they come instead.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+from typing import Any, Callable
+
+__all__ = ["timings_panel", "timings_line", "make_view", "UpdatingView", "PrintView", "FinalView", "NullView"]
+
+
+def timings_panel(response: Any) -> Any:
+    """What ends a request's display: the Response itself (its ``_repr_html_`` shows text and timings).
+
+    When ``aner_nb.widgets`` lands, replace this function with
+    ``from aner_nb.widgets import timings_panel``.
+    """
+    return response
+
+
+def timings_line(response: Any) -> str:
+    """A one-line plain-text summary of a Response's timings, for terminals."""
+    t = response.timings
+
+    def ms(ns: int) -> str:
+        return "-" if ns < 0 else f"{ns / 1e6:.1f} ms"
+
+    tps = response.tokens_per_second()
+    return (
+        f"[{response.finish_reason}] {response.usage.completion_tokens} tokens; prompt {t.prompt_tokens} "
+        f"(cached {t.cached_input_tokens}); prefill {ms(t.prompt_eval_duration)}, first token "
+        f"{ms(t.first_token_duration)}, decode {ms(t.decode_duration)}, total {ms(t.total_duration)}"
+        + ("" if tps < 0 else f", {tps:.1f} tok/s")
+    )
+
+
+def _bundle(text: str, status: str) -> dict[str, str]:
+    """The in-progress (or failed) view: the text so far and a status line."""
+    return {
+        "text/plain": f"{text}\n[{status}]",
+        "text/html": (
+            f"<div class='aner-stream'><pre style='white-space:pre-wrap'>{html.escape(text)}</pre>"
+            f"<small>{html.escape(status)}</small></div>"
+        ),
+    }
+
+
+class UpdatingView:
+    """One display per request, updated in place at most every ``interval`` seconds."""
+
+    def __init__(self, interval: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval = max(float(interval), 0.0)
+        self.clock = clock
+        self.pieces: list[str] = []
+        self.updates = 0  # in-place updates sent while streaming (tests check the throttle)
+        self._handle: Any = None
+        self._last = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def start(self) -> None:
+        from IPython.display import display
+
+        self._handle = display(_bundle("", "generating..."), raw=True, display_id=True)
+        self._last = self.clock()
+
+    def add(self, piece: str) -> None:
+        self.pieces.append(piece)
+        now = self.clock()
+        if now - self._last >= self.interval:
+            self._last = now
+            self.updates += 1
+            self._handle.update(_bundle(self.text, "generating..."), raw=True)
+
+    def finish(self, response: Any, *, cancelled: bool = False) -> None:
+        if self._handle is None:
+            return
+        if response is not None:
+            self._handle.update(timings_panel(response))
+        else:
+            self._handle.update(_bundle(self.text, "cancelled" if cancelled else "failed"), raw=True)
+
+    def fail(self, error: BaseException) -> None:
+        if self._handle is not None:
+            self._handle.update(_bundle(self.text, f"failed: {type(error).__name__}"), raw=True)
+
+
+class PrintView:
+    """Terminal IPython: print pieces as they arrive (or all at the end), then a timings line."""
+
+    def __init__(self, *, stream: bool = True, out: Any = None) -> None:
+        self.stream = stream
+        self.out = out
+        self.pieces: list[str] = []
+
+    def _write(self, text: str) -> None:
+        out = self.out or sys.stdout
+        out.write(text)
+        out.flush()
+
+    def start(self) -> None:
+        pass
+
+    def add(self, piece: str) -> None:
+        self.pieces.append(piece)
+        if self.stream:
+            self._write(piece)
+
+    def finish(self, response: Any, *, cancelled: bool = False) -> None:
+        if not self.stream:
+            self._write(response.text if response is not None else "".join(self.pieces))
+        summary = timings_line(response) if response is not None else ("[cancelled]" if cancelled else "[failed]")
+        self._write(f"\n{summary}\n")
+
+    def fail(self, error: BaseException) -> None:
+        self._write(f"\n[failed: {type(error).__name__}]\n")
+
+
+class FinalView:
+    """``--no-stream`` in a notebook: nothing while generating, then the timings panel."""
+
+    def start(self) -> None:
+        pass
+
+    def add(self, piece: str) -> None:
+        pass
+
+    def finish(self, response: Any, *, cancelled: bool = False) -> None:
+        from IPython.display import display
+
+        if response is not None:
+            display(timings_panel(response))
+        else:
+            display(_bundle("", "cancelled" if cancelled else "failed"), raw=True)
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+
+class NullView(FinalView):
+    """``--quiet``: show nothing."""
+
+    def finish(self, response: Any, *, cancelled: bool = False) -> None:
+        pass
+
+
+def make_view(mode: str, *, interval: float, terminal: bool) -> Any:
+    """The view for display mode ``stream``, ``final`` or ``none``."""
+    if mode == "none":
+        return NullView()
+    if terminal:
+        return PrintView(stream=mode == "stream")
+    if mode == "final":
+        return FinalView()
+    return UpdatingView(interval)

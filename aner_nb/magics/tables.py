@@ -1,0 +1,194 @@
+"""Pure functions behind ``%llm list``, ``%llm info`` and ``%llm kv``.
+
+They take handles (or a namespace) and return pandas DataFrames; no IPython
+here, so the same tables are one call away from plain Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable, Mapping
+
+from .. import llm
+from ..llm.errors import ConfigurationError
+
+__all__ = ["is_handle", "is_output_cache_name", "handle_kind", "handle_table", "handle_info", "kv_table"]
+
+_OUTPUT_CACHE = re.compile(r"^(_{1,3}|_\d+)$")
+LIST_COLUMNS = ("name", "kind", "architecture", "profile", "device", "context", "fingerprint", "state")
+
+
+def is_output_cache_name(name: str) -> bool:
+    """``_``, ``__``, ``___`` and ``_N``: IPython's output cache, not user variables."""
+    return bool(_OUTPUT_CACHE.match(name))
+
+
+def is_handle(obj: Any) -> bool:
+    """Whether ``obj`` holds native memory: a lease, a session, a batching model (anything in
+    ``aner_nb.llm`` with ``close`` and ``closed``). Only class attributes are looked at."""
+    cls = type(obj)
+    return (
+        isinstance(cls.__module__, str)
+        and cls.__module__.startswith("aner_nb.llm")
+        and callable(getattr(cls, "close", None))
+        and hasattr(cls, "closed")
+        and not isinstance(obj, type)
+    )
+
+
+def handle_kind(obj: Any) -> str:
+    if isinstance(obj, llm.Session):
+        return "session"
+    if isinstance(obj, llm.LLMModel):
+        return "lease"
+    name = type(obj).__name__
+    return "batching" if "Batch" in name else name
+
+
+def _get(obj: Any, attr: str, default: Any = None) -> Any:
+    try:
+        return getattr(obj, attr)
+    except Exception:  # a metadata property must never break a listing
+        return default
+
+
+def _profile_kind(obj: Any) -> Any:
+    """``ordinary``/``latency`` from the lease's profile; ``throughput`` for a batching lease."""
+    if handle_kind(obj) == "batching":
+        return "throughput"
+    profile = _get(obj, "profile")
+    return _get(profile, "kind") if profile is not None else None
+
+
+def _row(name: str, obj: Any, model: Any) -> dict[str, Any]:
+    src = model if model is not None else obj
+    fingerprint = _get(src, "fingerprint")
+    return {
+        "name": name,
+        "kind": handle_kind(obj),
+        "architecture": _get(src, "architecture"),
+        "profile": _profile_kind(src),
+        "device": _get(src, "device"),
+        "context": _get(src, "context"),
+        "fingerprint": fingerprint[:12] if isinstance(fingerprint, str) else None,
+        "state": "closed" if _get(obj, "closed", False) else "open",
+    }
+
+
+def handle_table(namespace: Mapping[str, Any], *, parents: Mapping[int, Any] | None = None) -> Any:
+    """A DataFrame with one row per handle bound in ``namespace`` (e.g. ``globals()``).
+
+    ``parents`` maps ``id(session)`` to the lease it was opened on, so session
+    rows can show that lease's metadata (sessions keep none of their own).
+    """
+    import pandas as pd
+
+    rows = []
+    for name, obj in list(namespace.items()):
+        if is_output_cache_name(name) or not is_handle(obj):
+            continue
+        rows.append(_row(name, obj, (parents or {}).get(id(obj))))
+    return pd.DataFrame(rows, columns=list(LIST_COLUMNS))
+
+
+def handle_info(handle: Any, *, model: Any = None) -> Any:
+    """One handle's metadata, load summary, memory summary and KV estimate as a field/value DataFrame.
+
+    ``model`` is the lease a session was opened on: sessions keep no
+    metadata of their own, so the lease's is shown for them.
+    """
+    import pandas as pd
+
+    if not is_handle(handle):
+        raise ConfigurationError(f"handle_info() needs a lease or session, got {type(handle).__name__}")
+    info: dict[str, Any] = {"kind": handle_kind(handle), "state": "closed" if handle.closed else "open"}
+    for attr in ("name", "architecture", "device", "context", "fingerprint", "path", "chat_template", "max_sequences"):
+        value = _get(handle, attr)
+        if value is None and model is not None:
+            value = _get(model, attr)
+        if value is not None:
+            info[attr] = value
+    profile = _get(handle, "profile")
+    if profile is not None:
+        info["profile"] = _profile_kind(handle)
+        optimizer = _get(profile, "optimizer")
+        if dataclasses.is_dataclass(optimizer):
+            for key, value in dataclasses.asdict(optimizer).items():
+                info[f"optimizer.{key}"] = value
+        idle = _get(profile, "max_idle_contexts")
+        if idle is not None:
+            info["max_idle_contexts"] = idle
+    if isinstance(handle, llm.Session):
+        info["turns"] = sum(1 for m in handle.messages if m["role"] == "user")
+        info["cached_tokens"] = handle.cached_tokens
+    supports = _get(handle, "supports")
+    if callable(supports):
+        info["supports"] = ", ".join(f for f in llm.FEATURES if _safe_supports(supports, f)) or "(closed)"
+    load_summary = _get(handle, "load_summary")
+    if callable(load_summary):
+        for key, value in load_summary().as_dict().items():
+            info[f"load.{key}"] = value
+    memory_summary = _get(handle, "memory_summary")
+    if callable(memory_summary) and not handle.closed:
+        for key, value in memory_summary().as_dict().items():
+            info[f"memory.{key}"] = value
+    return pd.DataFrame({"value": pd.Series(info, dtype=object)})
+
+
+def _safe_supports(supports: Any, feature: str) -> bool:
+    try:
+        return bool(supports(feature))
+    except Exception:
+        return False
+
+
+def kv_table(
+    handle: Any, *, context: int | None = None, kv_cache_type: str | None = None, slots: int = 1
+) -> Any:
+    """KV bytes of ``slots`` resident contexts of ``context`` cells for this handle's model.
+
+    With ``kv_cache_type=None`` every KV type is listed (a type the model's
+    head size cannot use is shown as missing with the reason). The model's
+    shape comes from the lease's ``facts`` (its GGUF header).
+    """
+    import pandas as pd
+
+    path = _get(handle, "path")
+    if path is None:
+        raise ConfigurationError(f"kv_table() needs a lease with a model path, got {type(handle).__name__}")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ConfigurationError(f"slots must be an integer >= 1, got {slots!r}")
+    facts = handle.facts
+    context = _get(handle, "context") if context is None else context
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ConfigurationError(f"context must be an integer >= 1, got {context!r}")
+    current = None
+    if not handle.closed and callable(_get(handle, "memory_summary")):
+        current = handle.memory_summary().kv_cache_type
+    types: Iterable[str] = (kv_cache_type,) if kv_cache_type is not None else llm.KV_CACHE_TYPES
+    rows = []
+    for kv_type in types:
+        row: dict[str, Any] = {
+            "kv_cache_type": kv_type, "context": context, "slots": slots,
+            "layers": facts.layers, "kv_heads": facts.kv_heads,
+            "head_dim_k": facts.head_dim_k, "head_dim_v": facts.head_dim_v,
+            "bytes_per_slot": None, "total_bytes": None, "total_mib": None,
+            "current": kv_type == current, "note": "",
+        }
+        try:
+            per_slot = llm.kv_estimate(context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v, kv_type)
+        except ConfigurationError as exc:
+            if kv_cache_type is not None:
+                raise
+            row["note"] = str(exc)
+        else:
+            row.update(bytes_per_slot=per_slot, total_bytes=per_slot * slots, total_mib=round(per_slot * slots / 2**20, 3))
+            if facts.sliding_window:
+                row["note"] = f"upper bound: sliding-window layers keep about {facts.sliding_window} cells"
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    for col in ("bytes_per_slot", "total_bytes"):
+        frame[col] = frame[col].astype("Int64")
+    frame["total_mib"] = frame["total_mib"].astype("Float64")
+    return frame

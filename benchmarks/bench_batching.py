@@ -1,0 +1,288 @@
+"""Continuous batching on the demo model: throughput and latency against serial serving.
+
+Workloads (every request of a run arrives at once, one per client):
+
+- ``uniform``: N clients, short prompts, ``--max-tokens`` (128) output tokens each;
+- ``mixed``: N clients, prompt lengths (1x..4x a base prompt) and output budgets
+  (1/4..1 of ``--max-tokens``) both varying 4x, uncorrelated.
+
+Two sides, alternated ABBA over ``--rounds`` after one warm-up run of each:
+
+- ``serial``: the same requests served one after another by an ordinary lease
+  (a client waits for every request ahead of it);
+- ``batched``: ``with_batching(N)``, each client a thread streaming its request.
+
+Both sides run every ``llama_decode`` with the same thread count
+(``--threads``, default all CPUs): llama.cpp uses ``n_threads`` for one-token
+batches and ``n_threads_batch`` for larger ones, which with the engine
+defaults would hand the batched side twice the threads.
+
+Reported per workload and client count: aggregate completed tokens per wall
+second (all completion tokens over the time until the last request
+completed; median, min, max over rounds and the batched/serial ratio of
+medians), per-request first-token latency (arrival to first streamed piece)
+and arrival-to-completion latency (median and max over all requests of all
+rounds), scheduler steps, and how many batched outputs equal the serial ones
+token for token. Each difference is explained with
+``aner_nb.bench.divergence``: the top-2 logit gap of plain greedy decoding at
+the first differing token, and whether it is a near tie.
+
+Targets: 4 uniform clients >= 1.75x the serial throughput, 4 mixed clients >= 1.25x.
+
+Run: ``python benchmarks/bench_batching.py [--rounds 3] [--clients 4 8] [--max-tokens 128]
+[--json out.json] [--markdown section.md]``.
+Smoke: ``python benchmarks/bench_batching.py --rounds 1 --clients 2 --max-tokens 8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from aner_nb import bench, llm
+from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+
+_now = time.perf_counter_ns
+
+TOPICS = [
+    "Why is the sky blue?",
+    "Name three uses of copper.",
+    "How do bees make honey?",
+    "What causes ocean tides?",
+    "Explain what a compiler does.",
+    "Why do leaves change colour in autumn?",
+    "How does a refrigerator keep food cold?",
+    "What is the difference between weather and climate?",
+]
+CONTEXT_SENTENCE = (
+    "The harbour town keeps a ledger of every ship, its cargo, its captain and the day it arrived. "
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    name: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One request of one run: latencies from the common arrival time, and its tokens."""
+
+    first_token_ms: float
+    completion_ms: float
+    tokens: tuple[int, ...]
+
+
+def workload(kind: str, clients: int, max_tokens: int) -> list[Request]:
+    """The requests of one run: uniform (short prompts, same budget) or mixed (4x spread)."""
+    requests = []
+    for i in range(clients):
+        topic = TOPICS[i % len(TOPICS)]
+        if kind == "uniform":
+            requests.append(Request(f"u{i}", topic, max_tokens))
+        else:
+            reps = 1 + (i % 4)  # prompt length 1x..4x
+            budget = max(1, max_tokens * (1 + (i * 3 + 1) % 4) // 4)  # 1/4..4/4, not aligned with the prompt
+            prompt = f"{CONTEXT_SENTENCE * reps * 2}Question: {topic}"
+            requests.append(Request(f"m{i}", prompt, budget))
+    return requests
+
+
+def stream_one(lease, req: Request, t0: int) -> Outcome:
+    s = lease.stream(req.prompt, max_tokens=req.max_tokens)
+    first = None
+    for _ in s:
+        if first is None:
+            first = _now()
+    end = _now()
+    first = end if first is None else first
+    return Outcome((first - t0) / 1e6, (end - t0) / 1e6, s.response.tokens)
+
+
+def serial_run(lease, requests: list[Request]) -> tuple[float, list[Outcome]]:
+    """One request after another; all arrived at t0."""
+    t0 = _now()
+    outcomes = [stream_one(lease, r, t0) for r in requests]
+    return (_now() - t0) / 1e6, outcomes
+
+
+def batched_run(serving, requests: list[Request]) -> tuple[float, list[Outcome]]:
+    """Every client streams its request on its own thread; all arrive at t0."""
+    outcomes: list = [None] * len(requests)
+    barrier = threading.Barrier(len(requests) + 1)
+    t0_box: list[int] = []
+
+    def client(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = stream_one(serving, requests[i], t0_box[0])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    t0_box.append(_now())
+    barrier.wait()
+    for t in threads:
+        t.join()
+    wall = (_now() - t0_box[0]) / 1e6
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
+    return wall, outcomes
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def measure(serial, kind: str, clients: int, args) -> dict:
+    requests = workload(kind, clients, args.max_tokens)
+    serving = serial.with_batching(clients)
+    try:
+        _, reference = serial_run(serial, requests)  # warm-up, and the serial outputs
+        batched_run(serving, requests)  # warm-up
+        steps0 = serving.stats().steps
+        tput = {"serial": [], "batched": []}
+        first = {"serial": [], "batched": []}
+        done = {"serial": [], "batched": []}
+        identical, compared, differing = 0, 0, {}
+        for r in range(args.rounds):
+            order = ("serial", "batched") if r % 2 == 0 else ("batched", "serial")
+            for side in order:
+                wall, outcomes = serial_run(serial, requests) if side == "serial" else batched_run(serving, requests)
+                tokens = sum(len(o.tokens) for o in outcomes)
+                tput[side].append(tokens * 1000.0 / wall)
+                first[side] += [o.first_token_ms for o in outcomes]
+                done[side] += [o.completion_ms for o in outcomes]
+                if side == "batched":
+                    for req, ref, o in zip(requests, reference, outcomes):
+                        compared += 1
+                        if o.tokens == ref.tokens:
+                            identical += 1
+                        else:
+                            differing.setdefault(req.name, (req, ref.tokens, o.tokens))
+        stats = serving.stats()
+    finally:
+        serving.close()
+    diagnostics = []
+    for name, (req, a, b) in differing.items():
+        d = bench.divergence(serial, req.prompt, a, b)
+        diagnostics.append({"request": name, **d.as_dict()})
+    result = {
+        "workload": kind,
+        "clients": clients,
+        "requests": [asdict(r) | {"prompt_tokens": len(serial.prompt_tokens(r.prompt))} for r in requests],
+        "throughput_tok_s": {side: summarize(v) for side, v in tput.items()},
+        "ratio": statistics.median(tput["batched"]) / statistics.median(tput["serial"]),
+        "first_token_ms": {side: summarize(v) for side, v in first.items()},
+        "completion_ms": {side: summarize(v) for side, v in done.items()},
+        "identical_outputs": identical,
+        "compared_outputs": compared,
+        "divergences": diagnostics,
+        "scheduler_steps_per_run": (stats.steps - steps0) / max(args.rounds, 1),
+        "compactions": stats.compactions,
+    }
+    return result
+
+
+TARGETS = {("uniform", 4): 1.75, ("mixed", 4): 1.25}
+
+
+def report(result: dict) -> str:
+    kind, n = result["workload"], result["clients"]
+    lines = [f"{kind}, {n} clients ({len(result['requests'])} requests per run, "
+             f"{sum(r['max_tokens'] for r in result['requests'])} output tokens max)"]
+    for side in ("serial", "batched"):
+        t, f, c = result["throughput_tok_s"][side], result["first_token_ms"][side], result["completion_ms"][side]
+        lines.append(
+            f"  {side:<8} {t['median']:8.1f} tok/s (min {t['min']:.1f}, max {t['max']:.1f}, n={t['n']})  "
+            f"first token median {f['median']:8.1f} ms max {f['max']:8.1f}  "
+            f"completion median {c['median']:8.1f} ms max {c['max']:8.1f}"
+        )
+    target = TARGETS.get((kind, n))
+    verdict = "" if target is None else f" (target >= {target:.2f}x: {'met' if result['ratio'] >= target else 'NOT met'})"
+    lines.append(f"  throughput batched/serial (medians): {result['ratio']:.2f}x{verdict}")
+    lines.append(
+        f"  identical outputs: {result['identical_outputs']}/{result['compared_outputs']}; "
+        f"scheduler steps per run {result['scheduler_steps_per_run']:.0f}; compactions {result['compactions']}"
+    )
+    for d in result["divergences"]:
+        lines.append(
+            f"    {d['request']}: first difference at token {d['position']} "
+            f"(serial {d['token_a']}, batched {d['token_b']}), top-2 gap {d['gap']:.4g}, "
+            f"batch-shape perturbation {d['perturbation']:.3g}, near tie: {d['near_tie']}"
+        )
+    return "\n".join(lines)
+
+
+def markdown(results: list[dict], manifest: dict) -> str:
+    m = manifest.get("model", {})
+    out = [
+        "## Continuous batching (`benchmarks/bench_batching.py`)",
+        "",
+        f"Model {m.get('name')} (sha256 {str(m.get('fingerprint'))[:12]}), device {m.get('device')}, "
+        f"context {m.get('context')}, threads {manifest.get('threads')} on both sides, "
+        f"{manifest.get('rounds')} rounds ABBA after one warm-up, measured {manifest.get('date')}.",
+        "",
+        "| workload | clients | serial tok/s | batched tok/s | ratio | target | first token ms serial / batched (median, max) "
+        "| completion ms serial / batched (median, max) | identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        t, f, c = r["throughput_tok_s"], r["first_token_ms"], r["completion_ms"]
+        target = TARGETS.get((r["workload"], r["clients"]))
+        out.append(
+            f"| {r['workload']} | {r['clients']} | {t['serial']['median']:.1f} | {t['batched']['median']:.1f} "
+            f"| {r['ratio']:.2f}x | {'-' if target is None else f'>= {target:.2f}x'} "
+            f"| {f['serial']['median']:.0f}, {f['serial']['max']:.0f} / {f['batched']['median']:.0f}, {f['batched']['max']:.0f} "
+            f"| {c['serial']['median']:.0f}, {c['serial']['max']:.0f} / {c['batched']['median']:.0f}, {c['batched']['max']:.0f} "
+            f"| {r['identical_outputs']}/{r['compared_outputs']} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--flash-attention", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None, help="write a RESULTS.md section to this file")
+    args = parser.parse_args()
+
+    path = str(demo_model_path())
+    base = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention=args.flash_attention)
+    serial = base.with_optimizer(threads=args.threads, prefill_threads=args.threads)
+    manifest = bench.manifest(serial, threads=args.threads, rounds=args.rounds, max_tokens=args.max_tokens,
+                              flash_attention=args.flash_attention)
+    results = []
+    for kind in args.workloads:
+        for clients in args.clients:
+            result = measure(serial, kind, clients, args)
+            results.append(result)
+            print(report(result), flush=True)
+    serial.close()
+    base.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"manifest": manifest, "results": results}, f, indent=2)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results, manifest))
+
+
+if __name__ == "__main__":
+    main()
