@@ -274,10 +274,23 @@ def test_batch_derives_a_throughput_lease_that_streams(ip, llama_path):
         ip.run_cell_magic("chat", "many", "hi")
 
 
-def test_adapter_subcommand_says_it_is_not_available_yet(ip, llama_path):
-    load(ip, llama_path)
-    with pytest.raises(UsageError, match="%llm adapter is not available in this version"):
-        ip.run_line_magic("llm", "adapter base manifest.json --as a")
+def test_adapter_derives_an_adapter_lease(ip, llama_path, fixture_models, tmp_path):
+    import shutil
+
+    base = load(ip, llama_path)
+    shutil.copy(fixture_models["lora"], tmp_path / "tiny-lora.gguf")
+    manifest = llm.write_manifest(tmp_path / "tiny-lora.gguf", base_sha256=base.fingerprint, architecture="llama")
+    ip.user_ns["manifest"] = str(manifest)
+    run(ip, "%llm adapter base {manifest} --as tuned")
+    tuned = ip.user_ns["tuned"]
+    assert tuned.supports("adapter") and tuned.fingerprint == base.fingerprint and not base.supports("adapter")
+    run(ip, "%%generate tuned --max-tokens 4 --quiet\nhello")
+    assert ip.user_ns["_"].usage.completion_tokens >= 1
+    with pytest.raises(UsageError, match="one adapter"):
+        ip.run_line_magic("llm", "adapter tuned {manifest} --as twice")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UsageError, match="schema"):
+        ip.run_line_magic("llm", f"adapter base {tmp_path / 'bad.json'} --as broken")
 
 
 @pytest.mark.parametrize("sub", ["serve base --port 8000", "stop", "bench x y"])

@@ -7,18 +7,26 @@ HTTP code; only ``_engine`` imports llama_cpp.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import errors
-from .artifact import SUPPORTED_ARCHITECTURES, ModelFacts, inspect_model, sha256_file
+from .adapters import AdapterInfo, AdapterManifest, read_manifest, write_manifest
+from .artifact import SUPPORTED_ARCHITECTURES, AdapterFacts, ModelFacts, inspect_adapter, inspect_model, sha256_file
+from .batching import BatchingModel, BatchingSettings, with_batching
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
 from .lease import FEATURES, LLMModel
 from .loader import load, native_available, resolve_device
 from .memory import KV_CACHE_TYPES, kv_estimate
 from .profiles import LoadSettings, OptimizerSettings, Profile, RequestSettings
 from .response import Response, Timings, Usage
+from .scheduler import SchedulerStats
 from .session import Session
 from .stream import Stream
 from .summary import MemorySummary
 from .weights import LoadSummary
+
+if TYPE_CHECKING:
+    import os
 
 
 def with_optimizer(model: LLMModel, **settings: int) -> LLMModel:
@@ -31,6 +39,11 @@ def with_context_pool(model: LLMModel, max_idle: int) -> LLMModel:
     return model.with_context_pool(max_idle)
 
 
+def with_adapter(model: LLMModel, manifest_path: "str | os.PathLike[str]") -> LLMModel:
+    """Module form of :meth:`LLMModel.with_adapter`."""
+    return model.with_adapter(manifest_path)
+
+
 __all__ = [
     "errors",
     "load",
@@ -38,7 +51,12 @@ __all__ = [
     "resolve_device",
     "with_optimizer",
     "with_context_pool",
+    "with_batching",
+    "with_adapter",
     "LLMModel",
+    "BatchingModel",
+    "BatchingSettings",
+    "SchedulerStats",
     "Session",
     "Stream",
     "Response",
@@ -48,6 +66,12 @@ __all__ = [
     "MemorySummary",
     "ModelFacts",
     "inspect_model",
+    "AdapterFacts",
+    "AdapterInfo",
+    "AdapterManifest",
+    "inspect_adapter",
+    "read_manifest",
+    "write_manifest",
     "sha256_file",
     "kv_estimate",
     "KV_CACHE_TYPES",

@@ -1,6 +1,6 @@
 """The only module that imports ``llama_cpp``: thin, typed owners of native handles.
 
-Each class here owns exactly one kind of native object (model, context,
+Each class here owns exactly one kind of native object (model, LoRA adapter, context,
 batch, sampler chain) and frees it exactly once, either explicitly or from a
 ``weakref.finalize``. Policy (what to evaluate, what to keep) lives elsewhere;
 this module only translates between Python values and the C API of the pinned
@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,6 +30,7 @@ __all__ = [
     "ContextParams",
     "NativeModel",
     "NativeContext",
+    "NativeAdapter",
     "Batch",
     "Sampler",
     "DECODE_OK",
@@ -140,6 +141,8 @@ class ContextParams:
     swa_full: bool = False
     kv_unified: bool = True
     offload: bool = False  # KV and host ops on the accelerator (GPU devices only)
+    # The LoRA adapter every context created with these params applies (one per context, scale 1).
+    adapter: "NativeAdapter | None" = field(default=None, repr=False)
 
 
 class _Owner:
@@ -186,6 +189,7 @@ class NativeModel(_Owner):
             raise EngineError(f"llama.cpp failed to load {os.path.basename(path)!r} (see the aner_nb.engine log)")
         self._lib = lib
         self._contexts: "weakref.WeakSet[NativeContext]" = weakref.WeakSet()
+        self._adapters: "weakref.WeakSet[NativeAdapter]" = weakref.WeakSet()
         self._ctx_lock = threading.Lock()
         super().__init__(ptr, lib.llama_model_free, f"model {os.path.basename(path)}")
         self.free_calls = 0  # counts releases that actually freed the weights (tests use it)
@@ -201,8 +205,13 @@ class NativeModel(_Owner):
     def free(self) -> bool:
         with self._ctx_lock:
             contexts = list(self._contexts)
-        for ctx in contexts:  # contexts reference the model: free them first
+            adapters = list(self._adapters)
+        for ctx in contexts:  # contexts reference the model and its adapters: free them first
             ctx.free()
+        # llama_model_free also deletes the adapters still attached to the model, so a later
+        # llama_adapter_lora_free would be a double free: release them here, before the model.
+        for adapter in adapters:
+            adapter.free()
         released = super().free()
         if released:
             self.free_calls += 1
@@ -211,6 +220,14 @@ class NativeModel(_Owner):
     def _register(self, ctx: "NativeContext") -> None:
         with self._ctx_lock:
             self._contexts.add(ctx)
+
+    def _register_adapter(self, adapter: "NativeAdapter") -> None:
+        with self._ctx_lock:
+            self._adapters.add(adapter)
+
+    def live_adapters(self) -> int:
+        with self._ctx_lock:
+            return sum(1 for a in self._adapters if a.alive)
 
     def live_contexts(self) -> int:
         with self._ctx_lock:
@@ -283,12 +300,19 @@ class NativeContext(_Owner):
         self._lib = lib
         self.model = model  # keeps the Python owner alive; the model frees us first anyway
         self.params = params
+        self.adapter = params.adapter  # likewise kept alive while this context may decode with it
         super().__init__(ptr, lib.llama_free, "context")
         self._mem = lib.llama_get_memory(ptr)
         self.n_ctx = int(lib.llama_n_ctx(ptr))
         self.n_vocab = model.n_vocab
         self.decode_count = 0  # llama_decode calls on this context (tests check "touched no KV")
         model._register(self)
+        if params.adapter is not None:
+            try:
+                params.adapter._apply(self)
+            except BaseException:
+                self.free()
+                raise
 
     def decode(self, batch: "Batch") -> int:
         """Run one ``llama_decode``; returns 0, or 1 when no KV slot fits; raises on errors."""
@@ -351,6 +375,62 @@ class NativeContext(_Owner):
             "n_p_eval": data.n_p_eval,
             "n_eval": data.n_eval,
         }
+
+
+class NativeAdapter(_Owner):
+    """A LoRA adapter loaded onto one model (``llama_adapter_lora_init``).
+
+    Lifetime order: the contexts that apply it are freed first, then the
+    adapter, then the model (``NativeModel.free`` enforces the same order).
+    Contexts apply it at creation through ``ContextParams.adapter``.
+    """
+
+    def __init__(self, model: NativeModel, path: str, *, scale: float = 1.0) -> None:
+        lib = _llama()
+        ptr = lib.llama_adapter_lora_init(model.ptr, os.fsencode(path))
+        if not ptr:
+            raise EngineError(
+                f"llama.cpp failed to load the LoRA adapter {os.path.basename(path)!r} (see the aner_nb.engine log)"
+            )
+        self._lib = lib
+        self.model = model  # the model must outlive the adapter
+        self.scale = float(scale)
+        self._contexts: "weakref.WeakSet[NativeContext]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        super().__init__(ptr, lib.llama_adapter_lora_free, f"adapter {os.path.basename(path)}")
+        self.free_calls = 0  # counts releases that actually freed the adapter (tests use it)
+        model._register_adapter(self)
+
+    def _apply(self, ctx: "NativeContext") -> None:
+        """Set this adapter (alone) on a fresh context of the same model."""
+        if ctx.model is not self.model:
+            raise EngineError("a LoRA adapter can only be applied to contexts of the model it was loaded on")
+        adapters = (self._lib.llama_adapter_lora_p_ctypes * 1)(self.ptr)
+        scales = (ctypes.c_float * 1)(self.scale)
+        rc = int(self._lib.llama_set_adapters_lora(ctx.ptr, adapters, 1, scales))
+        if rc != 0:
+            raise EngineError(f"llama_set_adapters_lora failed with code {rc}")
+        with self._lock:
+            self._contexts.add(ctx)
+
+    def free(self) -> bool:
+        with self._lock:
+            contexts = list(self._contexts)
+        for ctx in contexts:  # a context keeps a raw pointer to the adapter: free it first
+            ctx.free()
+        released = super().free()
+        if released:
+            self.free_calls += 1
+        return released
+
+    def live_contexts(self) -> int:
+        with self._lock:
+            return sum(1 for c in self._contexts if c.alive)
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self._lib.llama_adapter_meta_val_str(self.ptr, key.encode(), buf, 4096)
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
 
 
 class Batch(_Owner):

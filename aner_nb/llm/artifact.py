@@ -11,6 +11,14 @@ error naming the file and what is allowed:
 * split shards, multimodal projectors, adapters and architectures outside
   :data:`SUPPORTED_ARCHITECTURES` (:class:`UnsupportedModelError`).
 
+:func:`inspect_adapter` reads a LoRA adapter's header with the same parser
+and returns :class:`AdapterFacts` (architecture, alpha, the lora_a/lora_b
+tensor pairs and their shapes); it rejects anything that is not a
+``general.type = adapter`` / ``adapter.type = lora`` GGUF with
+:class:`AdapterError`. ``ModelFacts.tensors`` keeps the base model's tensor
+names and shapes so an adapter can be checked against it without reopening
+the model file.
+
 The header is parsed here rather than with ``gguf.GGUFReader``: the reader
 materialises every element of every metadata array as numpy objects, which
 takes seconds for a 262,144-token vocabulary, whereas admission must be fast
@@ -31,19 +39,23 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import InvalidArtifactError, UnsupportedModelError
+from .errors import AdapterError, InvalidArtifactError, UnsupportedModelError
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_GGUF_VERSIONS",
     "ModelFacts",
+    "AdapterFacts",
+    "TensorShapes",
     "inspect_model",
+    "inspect_adapter",
     "sha256_file",
 ]
 
@@ -56,6 +68,10 @@ _MAX_DIMS = 4  # GGML_MAX_DIMS
 _SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _PROJECTOR_TYPES = ("mmproj", "clip", "projector")
 _PROJECTOR_ARCHS = ("clip", "mmproj")
+LORA_SUFFIXES = (".lora_a", ".lora_b")
+
+# (tensor name, ggml dims ne[0..n)) in file order; ne[0] is the row length (input features).
+TensorShapes = tuple[tuple[str, tuple[int, ...]], ...]
 
 # value type -> struct format character (scalars)
 _SCALAR_FORMATS = {
@@ -102,10 +118,44 @@ class ModelFacts:
     bos_token: str | None    # token texts, for rendering templates
     eos_token: str | None
     tensor_bytes: int        # sum of the tensors' data sizes
+    tensors: TensorShapes = field(default=(), repr=False)  # names and ggml shapes
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{tensor name: ggml shape}`` of the model's tensors (ne[0] first)."""
+        return dict(self.tensors)
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What a LoRA adapter GGUF declares; plain data, no file handles.
+
+    ``pairs`` maps each base tensor the adapter targets to the ggml shapes of
+    its ``lora_a`` (ne = [in, rank]) and ``lora_b`` (ne = [rank, out]) tensors.
+    """
+
+    path: str
+    file_size: int
+    gguf_version: int
+    architecture: str
+    name: str
+    adapter_type: str
+    alpha: float             # adapter.lora.alpha; 0.0 when absent (llama.cpp then uses scale 1)
+    pairs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    tensor_bytes: int
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """Names of the base tensors the adapter modifies."""
+        return tuple(name for name, _, _ in self.pairs)
+
+    @property
+    def rank(self) -> int:
+        """The largest LoRA rank among the pairs."""
+        return max((a[1] for _, a, _ in self.pairs), default=0)
 
 
 @dataclass(frozen=True)
@@ -219,20 +269,20 @@ class _Header:
         raise ValueError(f"metadata {key!r} has unknown value type {int(vtype)}")
 
 
-def _regular_file(path: os.PathLike[str] | str) -> tuple[str, os.stat_result]:
+def _regular_file(path: os.PathLike[str] | str, kind: str = "model") -> tuple[str, os.stat_result]:
     try:
         p = os.fspath(path)
     except TypeError:
-        raise InvalidArtifactError(f"model path must be a str or os.PathLike, got {type(path).__name__}") from None
+        raise InvalidArtifactError(f"{kind} path must be a str or os.PathLike, got {type(path).__name__}") from None
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise InvalidArtifactError(f"model file not found: {p}") from None
+        raise InvalidArtifactError(f"{kind} file not found: {p}") from None
     except OSError as exc:
-        raise InvalidArtifactError(f"cannot access model file {p}: {exc.strerror or exc}") from None
+        raise InvalidArtifactError(f"cannot access {kind} file {p}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-        raise InvalidArtifactError(f"model path {p} is {kind}; expected a single .gguf file")
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise InvalidArtifactError(f"{kind} path {p} is {what}; expected a single .gguf file")
     return p, st
 
 
@@ -259,8 +309,10 @@ def _check_magic_and_version(path: str, head: bytes) -> tuple[int, str]:
     return version, endian
 
 
-def _read_header(path: str, buf: mmap.mmap, size: int, endian: str) -> tuple[dict[str, Any], int, _Header]:
-    """Parse key/values and tensor infos; return (metadata, tensor_bytes, reader)."""
+def _read_header(
+    path: str, buf: mmap.mmap, size: int, endian: str
+) -> tuple[dict[str, Any], int, TensorShapes, _Header]:
+    """Parse key/values and tensor infos; return (metadata, tensor_bytes, tensor shapes, reader)."""
     h = _Header(buf, size, endian)
     n_tensors = h.u64(8)
     n_kv = h.u64(16)
@@ -283,6 +335,7 @@ def _read_header(path: str, buf: mmap.mmap, size: int, endian: str) -> tuple[dic
         meta[key] = value
 
     infos = []
+    shapes: list[tuple[str, tuple[int, ...]]] = []
     names = set()
     for _ in range(n_tensors):
         name, off = h.string(off, what="tensor name")
@@ -309,6 +362,7 @@ def _read_header(path: str, buf: mmap.mmap, size: int, endian: str) -> tuple[dic
             raise ValueError(f"duplicate tensor {name!r}")
         names.add(name)
         infos.append((name, t_off, n_elems // block * type_size))
+        shapes.append((name, tuple(int(d) for d in dims)))
 
     alignment = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -323,7 +377,7 @@ def _read_header(path: str, buf: mmap.mmap, size: int, endian: str) -> tuple[dic
                 f"but the file has {size} bytes"
             )
         total += nbytes
-    return meta, total, h
+    return meta, total, tuple(shapes), h
 
 
 def _int(meta: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
@@ -392,6 +446,26 @@ def inspect_model(path: os.PathLike[str] | str) -> ModelFacts:
             "GGUF models are admitted: merge the shards first with "
             "`llama-gguf-split --merge FIRST-SHARD.gguf OUT.gguf`"
         )
+    with _open_gguf(p, st) as g:
+        arch = _admit(p, g.meta)
+        return _facts(p, g.size, g.version, arch, g.meta, g.tensor_bytes, g.tensors, g.header)
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """A parsed GGUF header; ``header`` reads strings lazily while the map is open."""
+
+    size: int
+    version: int
+    meta: dict[str, Any]
+    tensor_bytes: int
+    tensors: TensorShapes
+    header: _Header
+
+
+@contextmanager
+def _open_gguf(p: str, st: os.stat_result, kind: str = "model") -> Iterator[_Parsed]:
+    """Check magic and version, parse the header over a read-only map; errors are typed."""
     size = st.st_size
     try:
         with open(p, "rb") as f:
@@ -402,7 +476,7 @@ def inspect_model(path: os.PathLike[str] | str) -> ModelFacts:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 size = len(buf)
                 try:
-                    meta, tensor_bytes, h = _read_header(p, buf, size, endian)
+                    meta, tensor_bytes, tensors, h = _read_header(p, buf, size, endian)
                 except _Truncated as exc:
                     raise InvalidArtifactError(
                         f"truncated or corrupted GGUF file {p}: header runs past the end of the "
@@ -412,15 +486,14 @@ def inspect_model(path: os.PathLike[str] | str) -> ModelFacts:
                     if isinstance(exc, InvalidArtifactError):
                         raise
                     raise InvalidArtifactError(f"corrupted GGUF file {p}: {exc}") from None
-                arch = _admit(p, meta)
-                facts = _facts(p, size, version, arch, meta, tensor_bytes, h)
+                yield _Parsed(size, version, meta, tensor_bytes, tensors, h)
     except OSError as exc:
-        raise InvalidArtifactError(f"cannot read model file {p}: {exc.strerror or exc}") from None
-    return facts
+        raise InvalidArtifactError(f"cannot read {kind} file {p}: {exc.strerror or exc}") from None
 
 
 def _facts(
-    path: str, size: int, version: int, arch: str, meta: dict[str, Any], tensor_bytes: int, h: _Header
+    path: str, size: int, version: int, arch: str, meta: dict[str, Any], tensor_bytes: int,
+    tensors: TensorShapes, h: _Header,
 ) -> ModelFacts:
     a = arch
     layers = _int(meta, f"{a}.block_count", path)
@@ -471,7 +544,84 @@ def _facts(
         bos_token=token_text("tokenizer.ggml.bos_token_id"),
         eos_token=token_text("tokenizer.ggml.eos_token_id"),
         tensor_bytes=tensor_bytes,
+        tensors=tensors,
     )
+
+
+def inspect_adapter(path: os.PathLike[str] | str) -> AdapterFacts:
+    """Read a LoRA adapter GGUF's header; return its :class:`AdapterFacts`.
+
+    Raises :class:`AdapterError` (``field`` names the key or tensor) unless the
+    file is a readable GGUF with ``general.type = adapter``, ``adapter.type =
+    lora``, an architecture, and only complete, consistent ``lora_a``/``lora_b``
+    2-D pairs (llama.cpp's own rules). Matching the pairs against a base model
+    is :func:`aner_nb.llm.adapters.check_targets`.
+    """
+    try:
+        p, st = _regular_file(path, "adapter")
+        with _open_gguf(p, st, "adapter") as g:
+            meta, size, version, tensors, tensor_bytes = g.meta, g.size, g.version, g.tensors, g.tensor_bytes
+    except AdapterError:
+        raise
+    except InvalidArtifactError as exc:
+        raise AdapterError(f"adapter_file: {exc}", field="adapter_file") from None
+
+    gtype = _str(meta, "general.type")
+    if gtype != "adapter":
+        what = "a model" if gtype in (None, "model") else f"general.type = {gtype!r}"
+        raise AdapterError(
+            f"{p} is {what}, not an adapter: general.type must be 'adapter' (got {gtype!r}); "
+            "adapter_file must name a LoRA adapter GGUF, not a model",
+            field="general.type",
+        )
+    atype = _str(meta, "adapter.type")
+    if atype != "lora":
+        raise AdapterError(
+            f"{p}: adapter.type must be 'lora' (got {atype!r}); only LoRA adapters are supported",
+            field="adapter.type",
+        )
+    arch = _str(meta, "general.architecture")
+    if not arch:
+        raise AdapterError(f"{p}: missing required metadata key 'general.architecture'", field="general.architecture")
+    alpha = meta.get("adapter.lora.alpha", 0.0)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 0.0:
+        raise AdapterError(f"{p}: adapter.lora.alpha must be a non-negative number, got {alpha!r}", field="adapter.lora.alpha")
+    return AdapterFacts(
+        path=p, file_size=size, gguf_version=version, architecture=arch,
+        name=_str(meta, "general.name") or Path(p).stem, adapter_type=atype, alpha=float(alpha),
+        pairs=_lora_pairs(p, tensors), tensor_bytes=tensor_bytes,
+    )
+
+
+def _lora_pairs(path: str, tensors: TensorShapes) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    """Group ``X.lora_a``/``X.lora_b`` into (X, a shape, b shape), checking what llama.cpp checks."""
+    halves: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, dims in tensors:
+        suffix = next((s for s in LORA_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            if name.endswith("_norm.weight"):
+                continue  # llama.cpp ignores norm vectors in adapters
+            raise AdapterError(
+                f"{path}: tensor {name!r} is not a LoRA tensor; adapter tensors must end in "
+                + " or ".join(LORA_SUFFIXES),
+                field=name,
+            )
+        if len(dims) != 2:
+            raise AdapterError(f"{path}: LoRA tensor {name!r} has {len(dims)} dimensions; expected 2", field=name)
+        halves.setdefault(name[: -len(suffix)], {})[suffix] = dims
+    pairs = []
+    for target, parts in halves.items():
+        missing = [s for s in LORA_SUFFIXES if s not in parts]
+        if missing:
+            raise AdapterError(
+                f"{path}: LoRA pair of {target!r} is missing {target + missing[0]!r}; every target needs "
+                "both lora_a and lora_b",
+                field=target + missing[0],
+            )
+        pairs.append((target, parts[".lora_a"], parts[".lora_b"]))
+    if not pairs:
+        raise AdapterError(f"{path}: the adapter has no lora_a/lora_b tensors", field="tensors")
+    return tuple(pairs)
 
 
 def sha256_file(

@@ -11,6 +11,7 @@ __all__ = [
     "LLMError",
     "InvalidArtifactError",
     "UnsupportedModelError",
+    "AdapterError",
     "ArtifactChangedError",
     "ChatTemplateError",
     "ConfigurationError",
@@ -35,6 +36,18 @@ class InvalidArtifactError(LLMError, ValueError):
 
 class UnsupportedModelError(InvalidArtifactError):
     """A valid GGUF that this toolkit does not admit (split, projector, adapter, architecture)."""
+
+
+class AdapterError(InvalidArtifactError):
+    """An adapter manifest or adapter file failed a check; ``field`` names what was wrong.
+
+    ``field`` is a manifest field (``base_sha256``, ``adapter_file``...), a GGUF
+    metadata key (``general.type``, ``adapter.type``) or an adapter tensor name.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class ArtifactChangedError(LLMError):

@@ -5,10 +5,16 @@ context pool; the weights are shared with every lease derived from the same
 load. A ``weakref.finalize`` on the lease releases both when the lease becomes
 unreachable, so ``del``, ``%reset`` and failed cells free native memory
 without relying on ``__del__``.
+
+An adapter lease (``with_adapter``) also holds a :class:`SharedAdapter`; its
+contexts apply the adapter at creation (``ContextParams.adapter``), and
+releasing the lease frees its contexts, then the adapter (when no other
+lease or session uses it), then the lease's hold on the weights.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -19,6 +25,7 @@ from .chat import validate_messages
 from .context_pool import ContextPool, ContextSlot
 from .prefix_pool import PrefixPool, common_prefix_length
 from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError
+from .adapters import AdapterInfo, SharedAdapter, load_adapter
 from .artifact import ModelFacts
 from .memory import kv_estimate
 from .profiles import OptimizerSettings, Profile, RequestSettings
@@ -64,8 +71,24 @@ def prepare(
     return Prepared(request, tokens, t_call)
 
 
-def context_params(weights: SharedWeights, profile: Profile, *, n_seq_max: int = 1, swa_full: bool = False) -> ContextParams:
-    """The explicit context parameters of a lease's contexts."""
+def context_params(
+    weights: SharedWeights,
+    profile: Profile,
+    *,
+    n_seq_max: int = 1,
+    swa_full: bool = False,
+    adapter: SharedAdapter | None = None,
+) -> ContextParams:
+    """The explicit context parameters of a lease's contexts, including the adapter they apply.
+
+    A profile naming an adapter needs that adapter here, so no caller can
+    silently create adapter-less contexts for it.
+    """
+    if profile.adapter != (adapter.sha256 if adapter is not None else None):
+        raise ConfigurationError(
+            f"this profile applies adapter {profile.adapter!r} but the contexts were asked for "
+            f"{adapter.sha256 if adapter is not None else None!r}; an adapter profile's contexts must apply its adapter"
+        )
     opt = profile.optimizer
     threads, prefill = default_threads()
     settings = weights.settings
@@ -80,6 +103,7 @@ def context_params(weights: SharedWeights, profile: Profile, *, n_seq_max: int =
         flash_attention=settings.flash_attention,
         swa_full=swa_full,
         offload=weights.device != "cpu",
+        adapter=adapter.native if adapter is not None else None,
     )
 
 
@@ -99,9 +123,12 @@ def profile_timings(params: ContextParams, profile: Profile) -> dict[str, int]:
 class _LeaseState:
     """Open/closed and the single active request; what the finalizer releases."""
 
-    def __init__(self, weights: SharedWeights, pool: "ContextPool | PrefixPool") -> None:
+    def __init__(
+        self, weights: SharedWeights, pool: "ContextPool | PrefixPool", adapter: SharedAdapter | None = None
+    ) -> None:
         self.weights = weights
         self.pool = pool
+        self.adapter = adapter
         self.lock = threading.Lock()
         self.closed = False
         self.active = False
@@ -138,31 +165,51 @@ class _LeaseState:
                 return
             self.released = True
             self.closed = True
-        self.pool.close()
-        self.weights.release()
+        try:
+            self.pool.close()  # the lease's idle contexts first,
+            if self.adapter is not None:
+                self.adapter.release()  # then the adapter (frees any context still applying it),
+        finally:
+            self.weights.release()  # then the weights
 
 
 class LLMModel:
     """An opaque lease on loaded weights. Create it with :func:`aner_nb.llm.load`."""
 
-    def __init__(self, weights: SharedWeights, profile: Profile | None = None) -> None:
+    def __init__(
+        self, weights: SharedWeights, profile: Profile | None = None, *, adapter: SharedAdapter | None = None
+    ) -> None:
         profile = profile or Profile()
         opt = profile.optimizer
-        weights.retain()
-        self._weights = weights
-        self._profile = profile
         # Latency contexts keep a full sliding-window cache: prefix trims and rejected
         # proposals remove positions that a window-sized SWA cache may no longer hold.
-        self._params = context_params(weights, profile, swa_full=opt.is_latency_profile)
+        params = context_params(weights, profile, swa_full=opt.is_latency_profile, adapter=adapter)
+        weights.retain()
+        try:
+            if adapter is not None:
+                adapter.retain()
+        except BaseException:
+            weights.release()
+            raise
+        self._weights = weights
+        self._profile = profile
+        self._adapter = adapter
+        self._params = params
         pool: ContextPool | PrefixPool
-        if opt.prefix_cache_entries:
-            pool = PrefixPool(
-                weights.native, self._params, capacity=opt.prefix_cache_entries,
-                max_tokens=opt.prefix_cache_tokens, trivial_prefix=_template_opening(weights),
-            )
-        else:
-            pool = ContextPool(weights.native, self._params, profile.max_idle_contexts)
-        self._state = _LeaseState(weights, pool)
+        try:
+            if opt.prefix_cache_entries:
+                pool = PrefixPool(
+                    weights.native, self._params, capacity=opt.prefix_cache_entries,
+                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=_template_opening(weights),
+                )
+            else:
+                pool = ContextPool(weights.native, self._params, profile.max_idle_contexts)
+        except BaseException:
+            if adapter is not None:
+                adapter.release()
+            weights.release()
+            raise
+        self._state = _LeaseState(weights, pool, adapter)
         self._finalizer = weakref.finalize(self, self._state.release)
         self._finalizer.atexit = True
 
@@ -196,6 +243,11 @@ class LLMModel:
         return self._profile
 
     @property
+    def adapter(self) -> AdapterInfo | None:
+        """The LoRA adapter this lease applies (name, hashes, rank, targets), or None."""
+        return self._adapter.info if self._adapter is not None else None
+
+    @property
     def facts(self) -> "ModelFacts":
         """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
         return self._weights.facts
@@ -211,9 +263,10 @@ class LLMModel:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
+        adapter = f" adapter={self._adapter.sha256[:12]}" if self._adapter is not None else ""
         return (
             f"<LLMModel {self.name!r} {self.architecture} {self._profile.kind} ctx={self.context} "
-            f"device={self.device} sha256={self.fingerprint[:12]} {state}>"
+            f"device={self.device} sha256={self.fingerprint[:12]}{adapter} {state}>"
         )
 
     # -- lifetime -------------------------------------------------------------
@@ -242,7 +295,7 @@ class LLMModel:
             "prefix_cache": opt.prefix_cache_entries > 0,
             "speculative": opt.speculative_tokens > 0,
             "continuous_batching": False,
-            "adapter": False,
+            "adapter": self._adapter is not None,
         }[feature]
 
     # -- requests ---------------------------------------------------------------
@@ -377,13 +430,37 @@ class LLMModel:
             prefix_cache_tokens=prefix_cache_tokens, speculative_tokens=speculative_tokens,
         )
         self._check_open("with_optimizer()")
-        return LLMModel(self._weights, self._profile.with_(optimizer=settings))
+        return LLMModel(self._weights, self._profile.with_(optimizer=settings), adapter=self._adapter)
 
     def with_context_pool(self, max_idle: int) -> "LLMModel":
         """The same profile keeping up to ``max_idle`` (0..4) idle contexts; 0 disables retention."""
         profile = self._profile.with_(max_idle_contexts=max_idle)
         self._check_open("with_context_pool()")
-        return LLMModel(self._weights, profile)
+        return LLMModel(self._weights, profile, adapter=self._adapter)
+
+    def with_adapter(self, manifest_path: "str | os.PathLike[str]") -> "LLMModel":
+        """A lease on the same weights that applies the LoRA adapter a checked manifest names.
+
+        The manifest (see :mod:`aner_nb.llm.adapters`) must name this lease's
+        fingerprint and architecture and the adapter's SHA-256; every check
+        runs before llama.cpp loads the adapter. The new lease keeps this
+        lease's profile, owns the adapter and its own contexts (no KV is
+        shared with other configurations); this lease is unchanged. One
+        adapter per effective model: an adapter lease cannot take another.
+        """
+        self._check_open("with_adapter()")
+        if self._adapter is not None:
+            raise ConfigurationError(
+                f"this lease already applies adapter {self._adapter.manifest.adapter_file!r} "
+                f"(sha256 {self._adapter.sha256[:12]}); one adapter per effective model: call with_adapter() "
+                "on the base lease instead"
+            )
+        adapter = load_adapter(self._weights, manifest_path)
+        try:
+            return LLMModel(self._weights, self._profile.with_(adapter=adapter.sha256), adapter=adapter)
+        except BaseException:
+            adapter.discard()
+            raise
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -396,7 +473,7 @@ class LLMModel:
 
         if self.closed:
             raise ClosedError("this lease is closed; a session cannot be opened on it")
-        return Session(self._weights, self._profile, system=system, model_name=self.name)
+        return Session(self._weights, self._profile, system=system, model_name=self.name, adapter=self._adapter)
 
     def with_batching(self, max_sequences: int) -> "BatchingModel":
         """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests."""
@@ -404,6 +481,11 @@ class LLMModel:
 
         if self.closed:
             raise ClosedError("this lease is closed; with_batching() cannot derive from it (load or derive from an open lease)")
+        if self._adapter is not None:
+            raise ConfigurationError(
+                "with_batching() cannot be combined with an adapter lease (its shared context would not apply "
+                "the adapter); derive the batching lease from the base lease"
+            )
         return BatchingModel(self._weights, self._profile, max_sequences)
 
     def load_summary(self) -> LoadSummary:

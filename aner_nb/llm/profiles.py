@@ -35,6 +35,7 @@ MAX_STOP_STRINGS = 16
 FLASH_ATTENTION = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "metal", "mps")
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _int_in(name: str, value: Any, low: int, high: int, error: type[Exception] = ConfigurationError) -> int:
@@ -130,16 +131,19 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class Profile:
-    """What a lease is: its optimizer settings and idle-context retention.
+    """What a lease is: its optimizer settings, idle-context retention and adapter identity.
 
     Leases derived with builders get a new Profile; the source lease keeps its own.
     """
 
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     max_idle_contexts: int = 1
+    adapter: str | None = None  # SHA-256 of the LoRA adapter this profile applies, if any
 
     def __post_init__(self) -> None:
         _int_in("max_idle", self.max_idle_contexts, 0, 4)
+        if self.adapter is not None and not (isinstance(self.adapter, str) and _SHA256.match(self.adapter)):
+            raise ConfigurationError(f"adapter must be None or a lowercase SHA-256 hex digest, got {self.adapter!r}")
 
     @property
     def kind(self) -> str:

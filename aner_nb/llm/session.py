@@ -24,15 +24,17 @@ from .response import Response
 from .runner import Job, run_request, validate_only
 from .stream import Stream
 from .weights import SharedWeights
+from .adapters import SharedAdapter
 from ._engine import Batch, NativeContext
 
 __all__ = ["Session"]
 
 
 class _SessionState:
-    def __init__(self, weights: SharedWeights, slot: ContextSlot) -> None:
+    def __init__(self, weights: SharedWeights, slot: ContextSlot, adapter: "SharedAdapter | None" = None) -> None:
         self.weights = weights
         self.slot = slot
+        self.adapter = adapter
         self.lock = threading.Lock()
         self.active = False
         self.closed = False
@@ -43,22 +45,40 @@ class _SessionState:
             if self.released:
                 return
             self.released = self.closed = True
-        self.slot.free()
-        self.weights.release()
+        try:
+            self.slot.free()  # context first, then the adapter it applies, then the weights
+            if self.adapter is not None:
+                self.adapter.release()
+        finally:
+            self.weights.release()
 
 
 class Session:
     """``model.session(system=...)``: ``send`` a user turn, get the answer; history is kept."""
 
-    def __init__(self, weights: SharedWeights, profile: Profile, *, system: str | None, model_name: str) -> None:
+    def __init__(
+        self,
+        weights: SharedWeights,
+        profile: Profile,
+        *,
+        system: str | None,
+        model_name: str,
+        adapter: "SharedAdapter | None" = None,
+    ) -> None:
         if system is not None:
             validate_messages([{"role": "system", "content": system}])
+        # A full SWA cache lets a turn trim a divergent tail below the sliding window.
+        params = context_params(weights, profile, swa_full=True, adapter=adapter)
         weights.retain()
+        retained = None
         try:
-            # A full SWA cache lets a turn trim a divergent tail below the sliding window.
-            params = context_params(weights, profile, swa_full=True)
+            if adapter is not None:
+                adapter.retain()
+                retained = adapter
             slot = ContextSlot(NativeContext(weights.native, params), Batch(params.n_batch, 1))
         except BaseException:
+            if retained is not None:
+                retained.release()
             weights.release()
             raise
         self._weights = weights
@@ -68,7 +88,7 @@ class Session:
         self._system = system
         self._history: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
         self._kv_tokens: list[int] = []  # tokens at KV positions 0..n-1 of sequence 0
-        self._state = _SessionState(weights, slot)
+        self._state = _SessionState(weights, slot, adapter)
         self._finalizer = weakref.finalize(self, self._state.release)
         self._finalizer.atexit = True
 
