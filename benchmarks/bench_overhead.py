@@ -87,7 +87,6 @@ def main() -> None:
     same = check.text == ref_text
     ref.close()
     model.close()
-    del ref, model
     gc.collect()
 
     def load_ours() -> float:

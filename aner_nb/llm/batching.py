@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._engine import Batch, NativeContext
-from .artifact import ModelFacts
 from .chat import validate_messages
 from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
-from .lease import FEATURES, Prepared, _as_messages, context_params, prepare, profile_timings
+from .lease import FEATURES, LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
 from .memory import kv_estimate
 from .profiles import Profile, RequestSettings
 from .response import Response
@@ -44,7 +43,7 @@ from .runner import Job, validate_only
 from .scheduler import Outbox, Request, Scheduler, SchedulerStats
 from .stream import Stream
 from .summary import MemorySummary, memory_summary
-from .weights import LoadSummary, SharedWeights
+from .weights import SharedWeights
 
 __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT"]
 
@@ -80,7 +79,7 @@ def with_batching(model: Any, max_sequences: int) -> "BatchingModel":
     return model.with_batching(max_sequences)
 
 
-class BatchingModel:
+class BatchingModel(LeaseMetadata):
     """A throughput lease: concurrent requests share one context and one scheduler thread.
 
     Create it with ``model.with_batching(max_sequences)``. Requests take the
@@ -144,46 +143,11 @@ class BatchingModel:
         self._finalizer = weakref.finalize(self, scheduler.shutdown, wait=False)
         self._finalizer.atexit = True
 
-    # -- metadata (readable after close) -------------------------------------
-    @property
-    def name(self) -> str:
-        return self._weights.facts.name
-
-    @property
-    def architecture(self) -> str:
-        return self._weights.facts.architecture
-
-    @property
-    def fingerprint(self) -> str:
-        return self._weights.fingerprint
-
-    @property
-    def context(self) -> int:
-        """Cells of the one shared context (split equally between the sequences)."""
-        return self._weights.settings.context
-
+    # -- metadata (shared metadata comes from LeaseMetadata) --------------------
     @property
     def sequence_context(self) -> int:
         """Cells each sequence may use: a request's prompt plus max_tokens must fit them."""
         return self._scheduler.sequence_context
-
-    @property
-    def device(self) -> str:
-        return self._weights.device
-
-    @property
-    def path(self) -> str:
-        return self._weights.facts.path
-
-    @property
-    def profile(self) -> Profile:
-        """The engine settings inherited from the source lease."""
-        return self._profile
-
-    @property
-    def facts(self) -> ModelFacts:
-        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
-        return self._weights.facts
 
     @property
     def batching(self) -> BatchingSettings:
@@ -192,10 +156,6 @@ class BatchingModel:
     @property
     def max_sequences(self) -> int:
         return self._settings.max_sequences
-
-    @property
-    def chat_template(self) -> str:
-        return self._weights.template.origin
 
     @property
     def closed(self) -> bool:
@@ -212,12 +172,6 @@ class BatchingModel:
     def close(self) -> None:
         """Reject new requests, finish accepted ones, then free the context and join the thread."""
         self._scheduler.shutdown(wait=True)
-
-    def __enter__(self) -> "BatchingModel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def supports(self, feature: str) -> bool:
         """Whether this lease can do ``feature`` now; closed leases support nothing."""
@@ -248,11 +202,6 @@ class BatchingModel:
         raise self._no_builder("with_batching()")
 
     # -- requests ---------------------------------------------------------------
-    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
-        """The exact token ids a request with this prompt (or message list) evaluates."""
-        text = self._weights.template.render(_as_messages(prompt), add_generation_prompt=True)
-        return self._weights.native.tokenize(text, add_special=False, parse_special=True)
-
     def generate(
         self,
         prompt: str,
@@ -386,9 +335,6 @@ class BatchingModel:
     def stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's counters (steps, tokens, peak sequences, queue)."""
         return self._scheduler.stats()
-
-    def load_summary(self) -> LoadSummary:
-        return self._weights.summary
 
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV estimate of the whole shared context, and the process's measured memory."""

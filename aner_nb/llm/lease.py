@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ._engine import ContextParams, default_threads
 from .chat import validate_messages
@@ -35,7 +35,11 @@ from .stream import Stream
 from .summary import MemorySummary, memory_summary
 from .weights import LoadSummary, SharedWeights
 
-__all__ = ["LLMModel", "FEATURES", "Prepared", "prepare", "context_params"]
+if TYPE_CHECKING:  # imported lazily at run time: both modules import this one
+    from .batching import BatchingModel
+    from .session import Session
+
+__all__ = ["LLMModel", "LeaseMetadata", "FEATURES", "Prepared", "prepare", "prompt_token_ids", "context_params"]
 
 FEATURES = ("generate", "chat", "stream", "session", "prefix_cache", "speculative", "continuous_batching", "adapter")
 
@@ -51,13 +55,21 @@ class Prepared:
         self.t_call = t_call
 
 
+def prompt_token_ids(weights: SharedWeights, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Render the chat template and tokenize; special-token text (e.g. ``<bos>``) is parsed.
+
+    The template writes BOS itself when the model family wants one, so no
+    special tokens are added on top.
+    """
+    text = weights.template.render(messages, add_generation_prompt=True)
+    return weights.native.tokenize(text, add_special=False, parse_special=True)
+
+
 def prepare(
     weights: SharedWeights, messages: Sequence[Mapping[str, Any]], context: int, request: RequestSettings, t_call: int
 ) -> Prepared:
     """Render the chat template, tokenize, and check that prompt plus output fit the context."""
-    text = weights.template.render(messages, add_generation_prompt=True)
-    # The template writes BOS itself when the model family wants one, so no special tokens are added.
-    tokens = weights.native.tokenize(text, add_special=False, parse_special=True)
+    tokens = prompt_token_ids(weights, messages)
     if not tokens:
         raise ContextOverflowError("the formatted prompt is empty; a request needs at least one prompt token")
     if len(tokens) + request.max_tokens > context:
@@ -173,7 +185,71 @@ class _LeaseState:
             self.weights.release()  # then the weights
 
 
-class LLMModel:
+class LeaseMetadata:
+    """What every lease kind reads from its weights: metadata, readable after close.
+
+    Subclasses set ``_weights`` and ``_profile`` and define ``close()``.
+    """
+
+    _weights: SharedWeights
+    _profile: Profile
+
+    @property
+    def name(self) -> str:
+        return self._weights.facts.name
+
+    @property
+    def architecture(self) -> str:
+        return self._weights.facts.architecture
+
+    @property
+    def fingerprint(self) -> str:
+        return self._weights.fingerprint
+
+    @property
+    def context(self) -> int:
+        return self._weights.settings.context
+
+    @property
+    def device(self) -> str:
+        return self._weights.device
+
+    @property
+    def path(self) -> str:
+        return self._weights.facts.path
+
+    @property
+    def profile(self) -> Profile:
+        return self._profile
+
+    @property
+    def facts(self) -> "ModelFacts":
+        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
+        return self._weights.facts
+
+    @property
+    def chat_template(self) -> str:
+        """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
+        return self._weights.template.origin
+
+    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
+        """The exact token ids a request with this prompt (or message list) evaluates."""
+        return prompt_token_ids(self._weights, _as_messages(prompt))
+
+    def load_summary(self) -> LoadSummary:
+        return self._weights.summary
+
+    def close(self) -> None:  # pragma: no cover - every lease kind defines it
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LLMModel(LeaseMetadata):
     """An opaque lease on loaded weights. Create it with :func:`aner_nb.llm.load`."""
 
     def __init__(
@@ -213,53 +289,14 @@ class LLMModel:
         self._finalizer = weakref.finalize(self, self._state.release)
         self._finalizer.atexit = True
 
-    # -- metadata (readable after close) -------------------------------------
-    @property
-    def name(self) -> str:
-        return self._weights.facts.name
-
-    @property
-    def architecture(self) -> str:
-        return self._weights.facts.architecture
-
-    @property
-    def fingerprint(self) -> str:
-        return self._weights.fingerprint
-
-    @property
-    def context(self) -> int:
-        return self._weights.settings.context
-
-    @property
-    def device(self) -> str:
-        return self._weights.device
-
-    @property
-    def path(self) -> str:
-        return self._weights.facts.path
-
-    @property
-    def profile(self) -> Profile:
-        return self._profile
-
     @property
     def adapter(self) -> AdapterInfo | None:
         """The LoRA adapter this lease applies (name, hashes, rank, targets), or None."""
         return self._adapter.info if self._adapter is not None else None
 
     @property
-    def facts(self) -> "ModelFacts":
-        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
-        return self._weights.facts
-
-    @property
     def closed(self) -> bool:
         return self._state.closed
-
-    @property
-    def chat_template(self) -> str:
-        """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
-        return self._weights.template.origin
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -273,12 +310,6 @@ class LLMModel:
     def close(self) -> None:
         """Reject new requests; a running request finishes, then native memory is released."""
         self._state.close()
-
-    def __enter__(self) -> "LLMModel":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def supports(self, feature: str) -> bool:
         """Whether this lease can do ``feature`` now (one of FEATURES); closed leases support nothing."""
@@ -299,13 +330,6 @@ class LLMModel:
         }[feature]
 
     # -- requests ---------------------------------------------------------------
-    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
-        """The exact token ids a request with this prompt (or message list) evaluates."""
-        messages = _as_messages(prompt)
-        return self._weights.native.tokenize(
-            self._weights.template.render(messages, add_generation_prompt=True), add_special=False, parse_special=True
-        )
-
     def generate(
         self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, seed: int = 0, stop: Any = None
     ) -> Response:
@@ -487,9 +511,6 @@ class LLMModel:
                 "the adapter); derive the batching lease from the base lease"
             )
         return BatchingModel(self._weights, self._profile, max_sequences)
-
-    def load_summary(self) -> LoadSummary:
-        return self._weights.summary
 
     def memory_summary(self) -> MemorySummary:
         """Weights, KV estimate for this lease's contexts, and the process's measured memory."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 from .context_pool import ContextSlot
 from .prefix_pool import reusable_prefix
