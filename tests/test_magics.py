@@ -293,10 +293,36 @@ def test_adapter_derives_an_adapter_lease(ip, llama_path, fixture_models, tmp_pa
         ip.run_line_magic("llm", f"adapter base {tmp_path / 'bad.json'} --as broken")
 
 
-@pytest.mark.parametrize("sub", ["serve base --port 8000", "stop", "bench x y"])
-def test_serve_stop_bench_are_not_available_yet(ip, sub):
+def test_bench_is_not_available_yet(ip):
     with pytest.raises(UsageError, match="not available yet"):
-        ip.run_line_magic("llm", sub)
+        ip.run_line_magic("llm", "bench x y")
+
+
+def test_serve_and_stop_run_the_http_service(ip, llama_path):
+    httpx = pytest.importorskip("httpx")
+    load(ip, llama_path)
+    run(ip, "%llm batch base --as many --max-sequences 2")
+    server = ip.run_line_magic("llm", "serve many --port 0")
+    assert server.running and server.url in server._repr_html_()
+    r = httpx.post(f"{server.url}/chat", json={"prompt": "hi", "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200 and r.json()["timings"]["batch_max_sequences"] == 2
+    with pytest.raises(UsageError, match="already served"):
+        ip.run_line_magic("llm", "serve many --port 0")
+    with pytest.raises(UsageError, match="'base' is not served"):
+        ip.run_line_magic("llm", "stop base")
+    with pytest.raises(UsageError, match="no handle named"):
+        ip.run_line_magic("llm", "serve nothing")
+    ip.run_line_magic("llm", "stop")
+    assert not server.running and not ip.user_ns["many"].closed  # stopping leaves the handle open
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health", timeout=2)
+
+    again = ip.run_line_magic("llm", "serve base --port 0")  # closing a served handle stops its server
+    run(ip, "%llm close base")
+    assert not again.running
+    served = ip.run_line_magic("llm", "serve many --port 0")  # kernel exit (and unload: same close_all) too
+    ext_of(ip).at_exit()
+    assert not served.running and ip.user_ns["many"].closed
 
 
 def test_help_shows_every_magic_with_its_python_equivalent(ip, capsys):

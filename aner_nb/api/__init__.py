@@ -1,1 +1,200 @@
-"""Placeholder: see the open issues; nothing is exported yet."""
+"""The HTTP service: the seed ``/chat`` route and OpenAI-compatible routes over served leases.
+
+```python
+from aner_nb import api, llm
+
+model = llm.load("model.gguf", context=4096).with_batching(4)
+server = (
+    api.app("my service")
+    .llm(path="/chat", model=model)
+    .bind(host="127.0.0.1", port=11435)
+    .limits(max_rows=64, timeout_ms=120000)
+    .output_limit(max_tokens=256)
+    .start()                      # or .serve() to block, or .asgi() for any ASGI server
+)
+server.url                        # 'http://127.0.0.1:11435'
+server.stop()                     # the lease stays open; close it yourself
+```
+
+Every builder call returns a new :class:`App` (the previous one is
+unchanged) and checks its arguments at once. Loopback by default; an
+optional bearer token (``.auth(bearer_token=...)``) guards every route but
+``/health`` and ``/openapi.json``. Limits: request body size, ``max_tokens``
+cap, ``max_rows`` messages per request, a request timeout that cancels the
+generation and frees its slot, and a bound on requests admitted at once
+(running plus queued, one worker thread each); over it the answer is
+``503`` with ``Retry-After``. See ``docs/deploy.md`` for replicas behind
+nginx. Everything here is process local: queues, pools and counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..llm.errors import ConfigurationError
+from ..llm.profiles import MAX_TOKENS
+from .server import Server
+
+__all__ = ["app", "App", "Server"]
+
+log = logging.getLogger("aner_nb.api")
+
+DEFAULT_PORT = 11435
+_RESERVED = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")
+
+
+def _int_in(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    if not low <= value <= high:
+        raise ConfigurationError(f"{name} must be in {low}..{high}, got {value}")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class _Served:
+    path: str
+    model: Any
+    name: str
+
+
+@dataclass(frozen=True)
+class App:
+    """An immutable description of a service; build it with :func:`app` and the chained methods."""
+
+    title: str = "aner_nb"
+    served: tuple[_Served, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    max_rows: int = 64
+    timeout_ms: int = 120_000
+    max_body_bytes: int = 1 << 20
+    max_concurrent: int | None = None
+    retry_after_s: int = 1
+    max_tokens: int = 256
+    bearer_token: str | None = field(default=None, repr=False)
+
+    # -- builders ---------------------------------------------------------------------------
+    def llm(self, path: str = "/chat", *, model: Any, name: str | None = None) -> "App":
+        """Serve ``model`` (a lease or a batching lease): the seed route at ``path``, and under its id
+        (``name``, default the model's name) on ``/v1/chat/completions`` and ``/v1/models``."""
+        if not isinstance(path, str) or not path.startswith("/") or path.rstrip("/") != path or "{" in path:
+            raise ConfigurationError(f"path must be an absolute route such as '/chat' (no trailing slash), got {path!r}")
+        if any(path == r or path.startswith(r + "/") for r in _RESERVED):
+            raise ConfigurationError(f"path {path!r} is reserved; reserved: {', '.join(_RESERVED)}")
+        if not callable(getattr(model, "stream", None)) or not callable(getattr(model, "supports", None)):
+            raise ConfigurationError(f"model must be a lease from aner_nb.llm (load, with_batching...), got {type(model).__name__}")
+        if type(model).__name__ == "Session":
+            raise ConfigurationError("a session keeps one conversation's state; serve the lease it was opened on instead")
+        if model.closed:
+            raise ConfigurationError("model is closed; serve an open lease")
+        name = model.name if name is None else name
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f"name must be a non-empty string, got {name!r}")
+        for other in self.served:
+            if other.path == path:
+                raise ConfigurationError(f"path {path!r} already serves {other.name!r}")
+            if other.name == name:
+                raise ConfigurationError(f"model id {name!r} is already served at {other.path}; pass name=")
+        return dataclasses.replace(self, served=(*self.served, _Served(path, model, name)))
+
+    def bind(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> "App":
+        """Where to listen; ``port=0`` picks a free port (``Server.url`` names it). Loopback by default."""
+        if not isinstance(host, str) or not host:
+            raise ConfigurationError(f"host must be an address or host name, got {host!r}")
+        _int_in("port", port, 0, 65535)
+        return dataclasses.replace(self, host=host, port=port)
+
+    def limits(
+        self,
+        *,
+        max_rows: int = 64,
+        timeout_ms: int = 120_000,
+        max_body_bytes: int = 1 << 20,
+        max_concurrent: int | None = None,
+        retry_after_s: int = 1,
+    ) -> "App":
+        """Request limits.
+
+        ``max_rows``: messages per request. ``timeout_ms``: from admission to
+        the last token; past it the generation is cancelled (504).
+        ``max_body_bytes``: request bodies above it get 413 unread.
+        ``max_concurrent``: requests admitted at once per model, each holding
+        one worker thread (default: a batching lease's sequences plus its
+        queue, one for an ordinary lease); beyond it 503 with
+        ``Retry-After: retry_after_s``.
+        """
+        _int_in("max_rows", max_rows, 1, 4096)
+        _int_in("timeout_ms", timeout_ms, 1, 24 * 3600 * 1000)
+        _int_in("max_body_bytes", max_body_bytes, 64, 1 << 30)
+        if max_concurrent is not None:
+            _int_in("max_concurrent", max_concurrent, 1, 1024)
+        _int_in("retry_after_s", retry_after_s, 1, 3600)
+        return dataclasses.replace(self, max_rows=max_rows, timeout_ms=timeout_ms, max_body_bytes=max_body_bytes,
+                                   max_concurrent=max_concurrent, retry_after_s=retry_after_s)
+
+    def output_limit(self, *, max_tokens: int = 256) -> "App":
+        """The most tokens one request may generate; also the default when a request names none."""
+        _int_in("max_tokens", max_tokens, 0, MAX_TOKENS)
+        return dataclasses.replace(self, max_tokens=max_tokens)
+
+    def auth(self, *, bearer_token: str | None) -> "App":
+        """Require ``Authorization: Bearer <token>`` (compared in constant time); None removes it."""
+        if bearer_token is not None and (not isinstance(bearer_token, str) or len(bearer_token) < 8
+                                         or any(c.isspace() for c in bearer_token) or not bearer_token.isascii()):
+            raise ConfigurationError("bearer_token must be at least 8 printable ASCII characters without spaces")
+        return dataclasses.replace(self, bearer_token=bearer_token)
+
+    # -- running ----------------------------------------------------------------------------
+    def asgi(self) -> Any:
+        """A new ASGI application (FastAPI) for any ASGI server; each call has its own pools and counters."""
+        from .service import MountSpec, ServiceConfig, build_app
+
+        if not self.served:
+            raise ConfigurationError("nothing to serve: add a model with .llm(path='/chat', model=lease)")
+        config = ServiceConfig(
+            title=self.title,
+            mounts=tuple(MountSpec(s.path, s.model, s.name) for s in self.served),
+            max_rows=self.max_rows, timeout_ms=self.timeout_ms, max_body_bytes=self.max_body_bytes,
+            max_concurrent=self.max_concurrent, retry_after_s=self.retry_after_s, max_tokens=self.max_tokens,
+            bearer_token=self.bearer_token,
+        )
+        return build_app(config)
+
+    def _server(self) -> Server:
+        asgi = self.asgi()
+        if not _is_loopback(self.host) and self.bearer_token is None:
+            log.warning("serving on %s without a bearer token: anyone who can reach it can use the model", self.host)
+        capacity = sum(m.capacity for m in asgi.state.mounts)
+        routes = [*(f"POST {s.path}" for s in self.served), "POST /v1/chat/completions", "GET /v1/models",
+                  "GET /health", "GET /metrics", "GET /openapi.json"]
+        return Server(asgi, title=self.title, host=self.host, port=self.port, routes=routes,
+                      models=[s.name for s in self.served], limit_concurrency=4 * capacity + 32)
+
+    def start(self, timeout_s: float = 30.0) -> Server:
+        """Serve on a background thread (for notebooks); returns the running :class:`Server`."""
+        return self._server().start(timeout_s)
+
+    def serve(self) -> None:
+        """Serve on this thread until Ctrl-C or SIGTERM."""
+        self._server().serve()
+
+
+def app(title: str = "aner_nb") -> App:
+    """Start describing a service: ``api.app(title).llm(path=..., model=...).bind(...).start()``."""
+    if not isinstance(title, str) or not title.strip():
+        raise ConfigurationError(f"title must be a non-empty string, got {title!r}")
+    return App(title=title)

@@ -180,6 +180,28 @@ class LLMMagics(Magics):
             self.handles.close(handle)
         print(f"closed {', '.join(args.targets)}")
 
+    def _llm_serve(self, args: Any) -> Any:
+        handle = self._handle(args.target, "%llm serve")
+        if isinstance(handle, Session):
+            raise UsageError(f"%llm serve: {args.target!r} is a chat session; serve the lease it was opened on")
+        running = self.handles.servers().get(args.target)
+        if running is not None:
+            raise UsageError(f"%llm serve: {args.target} is already served at {running.url}; %llm stop {args.target} first")
+        from .. import api
+
+        with library_errors("%llm serve"):
+            server = api.app(f"aner_nb {args.target}").llm(path="/chat", model=handle).bind(port=args.port).start()
+        self.handles.add_server(args.target, handle, server)
+        return server
+
+    def _llm_stop(self, args: Any) -> None:
+        served = list(self.handles.servers())
+        if args.target is not None and args.target not in served:
+            listed = f"; served: {', '.join(served)}" if served else "; nothing is served"
+            raise UsageError(f"%llm stop: {args.target!r} is not served{listed}")
+        stopped = self.handles.stop_servers(args.target)
+        print(f"stopped serving {', '.join(stopped)}" if stopped else "no server was running")
+
     def _llm_help(self, args: Any) -> None:
         topic = args.topic
         if topic is None:
@@ -193,9 +215,7 @@ class LLMMagics(Magics):
 
     @staticmethod
     def _not_yet(sub: str) -> None:
-        if sub == "bench":
-            raise UsageError("%llm bench is not available yet: use aner_nb.bench (run_sides, compare) from Python")
-        raise UsageError(f"%llm {sub} is not available yet: the HTTP service (aner_nb.api) has not landed")
+        raise UsageError("%llm bench is not available yet: use aner_nb.bench (run_sides, compare) from Python")
 
     # -- %%generate / %%chat --------------------------------------------------------
     @cell_magic
@@ -297,7 +317,7 @@ class LLMMagics(Magics):
 
 
 _matcher_pattern = re.compile(r"(?:^|[\s=(])%llm\s+(.*)$")
-_HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve"}
+_HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve", "stop"}
 
 
 def _completion_matcher(names: Callable[[], list[str]]) -> Any:

@@ -123,13 +123,14 @@ _DOC: dict[str, tuple[str, str, str]] = {
         "NAME.close()",
     ),
     "serve": (
-        "%llm serve NAME --port P",
-        "Serve a handle over HTTP (not available yet: the HTTP service has not landed).",
-        "api.app(title).llm(path='/chat', model=NAME).bind(port=P).start()",
+        "%llm serve NAME [--port P]",
+        "Serve a handle over HTTP on 127.0.0.1 (POST /chat, POST /v1/chat/completions, GET /v1/models, /health, "
+        "/metrics) from a background thread; the handle stays alive until %llm stop.",
+        "server = api.app(title).llm(path='/chat', model=NAME).bind(port=P).start()   # from aner_nb import api",
     ),
     "stop": (
-        "%llm stop",
-        "Stop the HTTP service started by %llm serve (not available yet).",
+        "%llm stop [NAME]",
+        "Stop the HTTP server of NAME (default: every server started by %llm serve); the handle stays open.",
         "server.stop()",
     ),
     "bench": (
@@ -145,7 +146,7 @@ _DOC: dict[str, tuple[str, str, str]] = {
 }
 
 SUBCOMMANDS = tuple(_DOC)
-NOT_YET = ("serve", "stop", "bench")
+NOT_YET = ("bench",)
 
 _CELL_DOC = {
     "generate": (
@@ -223,7 +224,9 @@ def subcommand_parser(sub: str) -> argparse.ArgumentParser:
         p.add_argument("--all", action="store_true", help="close every handle the extension tracks")
     elif sub == "serve":
         p.add_argument("target", metavar="NAME")
-        p.add_argument("--port", type=_int, metavar="P", default=11435)
+        p.add_argument("--port", type=_int, metavar="P", default=11435, help="port on 127.0.0.1 (default 11435; 0: any free)")
+    elif sub == "stop":
+        p.add_argument("target", metavar="NAME", nargs="?")
     elif sub == "help":
         p.add_argument("topic", metavar="SUBCOMMAND", nargs="?")
     elif sub == "bench":
