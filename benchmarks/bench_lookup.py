@@ -1,7 +1,9 @@
 """Prompt-lookup speculation on the demo model: decode speed off vs on, and llama-cpp-python's own.
 
-Two tasks: copy-heavy (quote and summarize an evidence ledger using its
-original names and terms) and low-overlap (free writing). Four sides, ABBA
+Three tasks: copy-heavy (quote and summarize an evidence ledger using its
+original names and terms), low-overlap free writing (the small base model
+still repeats itself there), and counting, the adversarial low-overlap case
+whose proposals the model keeps rejecting. Four sides, ABBA
 order, one warm-up round dropped:
 
 - ``off``: an ordinary lease (plain greedy decoding);
@@ -13,7 +15,7 @@ aner_nb sides report their own decode timing (first token to last);
 llama-cpp-python sides are timed from outside over the stream (first chunk to
 end), so compare ``on/off`` with each other and ``llama+lookup/llama`` with
 each other. Targets: ``on/off`` >= 2.0x on the copy-heavy task and >= 0.95x on
-the low-overlap task. Outputs are compared with the plain greedy output.
+the low-overlap tasks. Outputs are compared with the plain greedy output.
 
 Run: ``python benchmarks/bench_lookup.py [--rounds 3] [--speculative-tokens 8]``.
 """
@@ -78,6 +80,9 @@ def main() -> None:
                                   args.max_tokens)],
         "low-overlap": [bench.Case("free", "Write a short poem about the sea at night, with new images in every line.",
                                    args.max_tokens)],
+        # Counting repeats ", " constantly but never the digits after it: n-gram matches keep
+        # proposing continuations the model rejects, the worst case for prompt lookup.
+        "counting": [bench.Case("count", "Count upward from 1 to 200, separated by commas: 1, 2, 3,", args.max_tokens)],
     }
     report = {"manifest": bench.manifest(spec, benchmark="lookup"), "tasks": {}}
     print(f"model {model.name} sha256 {model.fingerprint} speculative_tokens={n} threads={probe.threads}")

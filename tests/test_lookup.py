@@ -67,3 +67,32 @@ def test_proposals_continue_an_earlier_occurrence(tokens, k):
                 if tokens[s : s + n] == suffix and tokens[s + n : s + n + len(out)] == out:
                     found = True
         assert found
+
+
+def test_draft_policy_grows_on_acceptance_and_backs_off_on_rejection():
+    from aner_nb.llm.lookup import MAX_BACKOFF, DraftPolicy
+
+    p = DraftPolicy(8)
+    assert p.budget() == 8
+    p.update(8, 3)  # partial: shrink to what was accepted plus one
+    assert p.budget() == 4
+    p.update(4, 4)  # full acceptance doubles, capped at the maximum
+    assert p.budget() == 8
+    p.update(8, 0)  # complete rejection: one step without proposals, then a single one
+    assert [p.budget(), p.budget()] == [0, 1]
+    p.update(1, 0)  # a second rejection in a row doubles the pause
+    assert [p.budget() for _ in range(3)] == [0, 0, 1]
+    for _ in range(10):
+        p.update(1, 0)
+        while p.budget() == 0:
+            pass
+    p.update(1, 0)
+    pauses = 0
+    while p.budget() == 0:
+        pauses += 1
+    assert pauses == MAX_BACKOFF
+    p.update(1, 1)  # any acceptance resets the pause
+    p.update(2, 0)
+    assert [p.budget(), p.budget()] == [0, 1]
+    p.update(0, 0)  # a step without proposals changes nothing
+    assert p.budget() == 1

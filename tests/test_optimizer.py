@@ -269,7 +269,8 @@ def test_forced_rejections_roll_back_and_keep_output(llama_path, monkeypatch):
         t = r.timings
         assert r.tokens == expected.tokens
         assert t.speculative_proposed_tokens > t.speculative_accepted_tokens
-        assert t.speculative_verification_steps >= t.decode_calls - 1  # the last step has room for no proposal
+        # every rejection rolled back; the draft policy then pauses proposing (backoff)
+        assert 1 <= t.speculative_verification_steps < t.decode_calls
 
 
 def test_speculative_stream_sees_only_verified_text(llama_path):

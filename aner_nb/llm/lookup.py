@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["WINDOW", "MIN_NGRAM", "MAX_NGRAM", "propose", "NgramIndex"]
+__all__ = ["WINDOW", "MIN_NGRAM", "MAX_NGRAM", "MAX_BACKOFF", "propose", "NgramIndex", "DraftPolicy"]
 
 WINDOW = 4096
 MIN_NGRAM = 2
 MAX_NGRAM = 8
+MAX_BACKOFF = 16
 
 
 def propose(history: Sequence[int], max_tokens: int, *, window: int = WINDOW) -> list[int]:
@@ -73,3 +74,47 @@ class NgramIndex:
                 # the suffix itself was indexed only if it had a successor, so start < size - n
                 return t[start + n : start + n + max_tokens]
         return []
+
+
+class DraftPolicy:
+    """How many proposals the next step verifies: grow while accepted, back off when rejected.
+
+    Every verified row costs a full output-layer product (262k logits on the
+    demo model), so proposals the model rejects make a step dearer than plain
+    decoding. After full acceptance the length doubles (up to ``maximum``);
+    after a partial one it shrinks to what was accepted plus one; after a
+    complete rejection no proposal is made for the next ``skip`` steps, a
+    pause that doubles with each consecutive rejection (up to MAX_BACKOFF
+    steps) and resets on any acceptance. Only the speed depends on it:
+    verification keeps the output equal to plain greedy decoding.
+    """
+
+    def __init__(self, maximum: int) -> None:
+        if maximum < 1:
+            raise ValueError(f"maximum must be >= 1, got {maximum}")
+        self.maximum = maximum
+        self.length = maximum
+        self.skip = 0
+        self._backoff = 1
+
+    def budget(self) -> int:
+        """Proposals allowed for the coming step (0 while backing off)."""
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.length
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """Record the outcome of one verification step."""
+        if proposed <= 0:
+            return
+        if accepted >= proposed:
+            self.length = min(self.maximum, self.length * 2)
+            self._backoff = 1
+        elif accepted > 0:
+            self.length = max(1, min(self.maximum, accepted + 1))
+            self._backoff = 1
+        else:
+            self.length = 1
+            self.skip = self._backoff
+            self._backoff = min(self._backoff * 2, MAX_BACKOFF)

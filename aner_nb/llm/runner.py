@@ -22,7 +22,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampl
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import NOT_MEASURED, Response, Timings, Usage
-from .lookup import NgramIndex
+from .lookup import DraftPolicy, NgramIndex
 from .text import TextAssembler
 
 __all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only"]
@@ -159,7 +159,8 @@ def run_request(
 
     With ``speculative_tokens`` > 0 (greedy only), each step evaluates the
     pending token plus up to that many prompt-lookup proposals in one batch
-    and keeps the proposals the model agrees with (see :func:`_verify`).
+    and keeps the proposals the model agrees with (see :func:`_verify`);
+    :class:`DraftPolicy` adapts how many are proposed to how many were accepted.
 
     The generator returns the Response. On cancellation (``job.cancel`` set,
     the generator closed, or KeyboardInterrupt) ``job.result`` holds a
@@ -174,6 +175,7 @@ def run_request(
     sampler = None if request.greedy else Sampler(request.temperature, request.seed)
     out = SequenceOutput(model, job)
     index = NgramIndex(prompt) if speculative_tokens else None
+    policy = DraftPolicy(speculative_tokens) if speculative_tokens else None
     if index is not None:
         out.measured.update(speculative_proposed_tokens=0, speculative_accepted_tokens=0, speculative_verification_steps=0)
     try:
@@ -195,8 +197,10 @@ def run_request(
                 break
             if index is not None:
                 index.extend(verified)
-            room = min(request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
-            drafts = index.propose(min(speculative_tokens, room)) if index is not None else []
+            drafts: list[int] = []
+            if index is not None and policy is not None:
+                room = min(request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
+                drafts = index.propose(min(policy.budget(), room))
             batch.clear()
             batch.add(token, pos, seq, logits=True)
             for i, draft in enumerate(drafts):
@@ -207,6 +211,7 @@ def run_request(
             if drafts:
                 verified = _verify(ctx, drafts)
                 accepted = len(verified) - 1
+                policy.update(len(drafts), accepted)  # type: ignore[union-attr]
                 m = out.measured
                 m["speculative_verification_steps"] += 1
                 m["speculative_proposed_tokens"] += len(drafts)
