@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import llama_cpp
@@ -81,6 +82,8 @@ def main() -> None:
     ours(), theirs()  # warm both once
     a, b = abba(args.rounds, ours, theirs, ("aner_nb stream", "Llama.create_completion"))
     decode = compare(f"greedy decode tokens/s, {args.max_tokens} tokens, threads={threads}", a, b, "tok/s", higher_is_better=True)
+    # Each round ran both sides back to back; the median of the per-round ratios cancels slow drift.
+    decode["paired_ratio_median"] = statistics.median(x / y for x, y in zip(a.values, b.values))
     check = model.generate(PROMPT, max_tokens=args.max_tokens)
     ref.reset()
     ref_text = ref.create_completion(prompt_tokens, max_tokens=args.max_tokens, temperature=0.0)["choices"][0]["text"]
@@ -110,6 +113,7 @@ def main() -> None:
     print(f"model: {path}\nsha256: {fingerprint}")
     print(f"same greedy text as Llama.create_completion: {same}")
     print(format_comparison(decode))
+    print(f"  median of per-round ratios: {decode['paired_ratio_median']:.3f}")
     print(format_comparison(load))
     if args.json:
         with open(args.json, "w") as f:
