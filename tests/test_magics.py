@@ -293,9 +293,80 @@ def test_adapter_derives_an_adapter_lease(ip, llama_path, fixture_models, tmp_pa
         ip.run_line_magic("llm", f"adapter base {tmp_path / 'bad.json'} --as broken")
 
 
-def test_bench_is_not_available_yet(ip):
-    with pytest.raises(UsageError, match="not available yet"):
-        ip.run_line_magic("llm", "bench x y")
+BENCH_PREFIX = "You are a careful assistant. Answer briefly and plainly. The question is: "
+
+
+def test_bench_pairs_a_lease_with_its_prefix_cached_optimizer(ip, llama_path):
+    from aner_nb import bench
+    from aner_nb.magics import bench_outputs, bench_table
+
+    load(ip, llama_path)
+    run(ip, "%llm optimize base --as fast --prefix-cache-entries 1")
+    ip.user_ns["q"] = "what is two plus two?"
+    with capture_output() as cap:
+        run(ip, f'%llm bench base fast --prompt "{BENCH_PREFIX}{{q}}" --prompt "{BENCH_PREFIX}why is the sky blue?" '
+                "--max-tokens 4 --rounds 1 --warmup 1 --as res")
+    result = ip.user_ns["res"]
+    assert isinstance(result, bench.BenchResult) and ip.user_ns["_"] is result
+    assert result.baseline == "base" and result.manifest["model"]["fingerprint"] == ip.user_ns["fast"].fingerprint
+    frame = result.frame
+    assert set(frame.side) == {"base", "fast"} and set(frame.case) == {"p1", "p2"} and len(frame) == 4
+    # the optimizer side reuses the shared prefix (warm-up filled its cache); the plain lease never does
+    assert (frame[frame.side == "fast"].cached_input_tokens > 0).all()
+    assert (frame[frame.side == "base"].cached_input_tokens == 0).all()
+    assert result.same_outputs("fast").all()
+    # the displayed tables are the pure functions' output
+    summary, outputs = bench_table(result), bench_outputs(result)
+    assert list(summary.side.unique()) == ["base", "fast"]
+    assert set(summary.metric) >= {"first_token_ms", "total_ms"}
+    assert {"median", "min", "max", "ratio_to_baseline"} <= set(summary.columns)
+    assert (summary[summary.side == "base"].ratio_to_baseline == 1.0).all()
+    assert list(outputs.case) == ["p1", "p1", "p2", "p2"] and outputs.same_output_as_baseline.all()
+    assert (outputs[outputs.side == "fast"].cached_input_tokens > 0).all()
+    shown = "".join(o.data.get("text/plain", "") for o in cap.outputs)
+    assert "ratio_to_baseline" in shown and "same_output_as_baseline" in shown
+    # without --prompt: one built-in prompt; the result still goes to _
+    with capture_output():
+        run(ip, "%llm bench fast base --max-tokens 2 --rounds 1 --warmup 0")
+    default = ip.user_ns["_"]
+    assert default.baseline == "fast" and list(default.frame.case.unique()) == ["p1"]
+    assert not ip.user_ns["base"].closed and not ip.user_ns["fast"].closed
+
+
+def test_bench_usage_errors(ip, llama_path):
+    load(ip, llama_path)
+    run(ip, "%llm optimize base --as fast")
+    ip.user_ns["x"] = 3
+    ip.user_ns["blank"] = "  "  # {var} in --prompt is expanded: this prompt is empty
+    for line, message in [
+        ("bench base", "required: B"),
+        ("bench base nope", "no handle named 'nope'; handles: base, fast|no handle named 'nope'; handles: fast, base"),
+        ("bench x base", "'x' is a int, not a model handle"),
+        ("bench base base", "name two different handles"),
+        ("bench base fast --rounds 0", "--rounds must be >= 1, got 0"),
+        ("bench base fast --warmup -1", "--warmup must be >= 0"),
+        ("bench base fast --max-tokens 0", "--max-tokens must be >= 1"),
+        ("bench base fast --rounds two", "argument --rounds: invalid int value"),
+        ("bench base fast --as 1x", "not a valid Python variable name"),
+        ('bench base fast --prompt " "', "--prompt must not be empty"),
+        ('bench base fast --prompt "{blank}"', "--prompt must not be empty"),
+    ]:
+        with pytest.raises(UsageError, match=message) as info:
+            ip.run_line_magic("llm", line)
+        assert "\n" not in str(info.value), line
+    run(ip, "%%chat base --max-tokens 1 --quiet\nhi")
+    with pytest.raises(UsageError, match="'base_chat' is a session; bench compares leases"):
+        ip.run_line_magic("llm", "bench base base_chat")
+    ip.user_ns["fast"].close()
+    with pytest.raises(UsageError, match="'fast' is closed"):
+        ip.run_line_magic("llm", "bench base fast --rounds 1 --warmup 0")
+
+
+def test_bench_help_shows_the_python_equivalent(ip, capsys):
+    ip.run_line_magic("llm", "help bench")
+    out = capsys.readouterr().out
+    assert "--rounds" in out and "--prompt" in out and "Python equivalent" in out
+    assert "bench.run_sides(" in out and "bench.lease_side(" in out and "bench_table(" in out
 
 
 def test_serve_and_stop_run_the_http_service(ip, llama_path):
@@ -360,6 +431,7 @@ def test_tab_completion_of_subcommands_and_handle_names(ip, llama_path):
     assert "basemodel" in complete("%%generate bas")
     assert "basemodel" in complete("%%chat basemodel --session bas")
     assert "basemodel" not in complete("%llm load ba")
+    assert "basemodel" in complete("%llm bench basemodel bas")
 
 
 # -- usage errors ------------------------------------------------------------------------------

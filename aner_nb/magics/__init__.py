@@ -3,7 +3,7 @@
 ``%load_ext aner_nb`` calls :func:`load_ipython_extension`; ``%unload_ext
 aner_nb`` undoes exactly what it added and closes the handles it tracks.
 The table functions are plain Python (``handle_table(globals())``,
-``handle_info(model)``, ``kv_table(model)``), so every magic has a one- or
+``handle_info(model)``, ``kv_table(model)``, ``bench_table(result)``), so every magic has a one- or
 two-call Python equivalent; ``%llm help`` lists them.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .parser import interpolate
-from .tables import handle_info, handle_table, is_handle, kv_table
+from .tables import bench_outputs, bench_table, handle_info, handle_table, is_handle, kv_table
 
 __all__ = [
     "load_ipython_extension",
@@ -21,6 +21,8 @@ __all__ = [
     "handle_table",
     "handle_info",
     "kv_table",
+    "bench_table",
+    "bench_outputs",
     "is_handle",
     "interpolate",
 ]

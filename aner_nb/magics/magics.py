@@ -25,6 +25,7 @@ from ..llm.errors import EngineError, LLMError
 from .display import make_view
 from .handles import HandleRegistry
 from .parser import (
+    BENCH_PROMPT,
     NOT_YET,
     SUBCOMMANDS,
     HelpShown,
@@ -38,7 +39,7 @@ from .parser import (
     parse_llm,
     subcommand_parser,
 )
-from .tables import handle_info, handle_kind, is_handle, kv_table
+from .tables import bench_outputs, bench_table, handle_info, handle_kind, is_handle, kv_table
 
 __all__ = ["LLMMagics", "Extension", "library_errors"]
 
@@ -83,7 +84,7 @@ class LLMMagics(Magics):
         except HelpShown:
             return None
         if sub in NOT_YET:
-            self._not_yet(sub)
+            raise UsageError(f"%llm {sub} is not available yet")
         return getattr(self, f"_llm_{sub}")(args)
 
     llm.__doc__ = overview()
@@ -213,9 +214,45 @@ class LLMMagics(Magics):
         else:
             raise UsageError(f"%llm help: unknown topic {topic!r}; use one of: {', '.join(SUBCOMMANDS)}, generate, chat")
 
-    @staticmethod
-    def _not_yet(sub: str) -> None:
-        raise UsageError("%llm bench is not available yet: use aner_nb.bench (run_sides, compare) from Python")
+    def _llm_bench(self, args: Any) -> None:
+        prog = "%llm bench"
+        if args.a == args.b:
+            raise UsageError(f"{prog}: A and B are both {args.a!r}; name two different handles")
+        for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
+                                   ("--max-tokens", args.max_tokens, 1)):
+            if value < least:
+                raise UsageError(f"{prog}: {flag} must be >= {least}, got {value}")
+        if args.var is not None:
+            check_name(args.var, prog, "--as")
+        prompts = args.prompts if args.prompts else [BENCH_PROMPT]  # {var} was expanded by IPython already
+        if any(not p.strip() for p in prompts):
+            raise UsageError(f"{prog}: --prompt must not be empty")
+        leases = []
+        for name in (args.a, args.b):
+            handle = self._handle(name, prog)
+            if isinstance(handle, Session) or not callable(getattr(handle, "generate", None)):
+                raise UsageError(f"{prog}: {name!r} is a {handle_kind(handle)}; bench compares leases")
+            if handle.closed:
+                raise UsageError(f"{prog}: {name!r} is closed")
+            leases.append(handle)
+        from .. import bench
+
+        cases = [bench.Case(f"p{i}", text, max_tokens=args.max_tokens) for i, text in enumerate(prompts, 1)]
+        sides = [bench.lease_side(args.a, leases[0]), bench.lease_side(args.b, leases[1])]
+        with library_errors(prog):
+            result = bench.run_sides(sides, cases, rounds=args.rounds, warmup=args.warmup, baseline=args.a,
+                                     manifest_=bench.manifest(leases[1]))
+        del leases, sides
+        from IPython.display import display
+
+        display(bench_table(result))
+        display(bench_outputs(result))
+        if args.var is not None:
+            self.ns[args.var] = result
+        try:
+            self.shell.displayhook.update_user_ns(result)  # _ like a displayed result
+        except Exception:
+            self.ns["_"] = result
 
     # -- %%generate / %%chat --------------------------------------------------------
     @cell_magic
@@ -317,7 +354,7 @@ class LLMMagics(Magics):
 
 
 _matcher_pattern = re.compile(r"(?:^|[\s=(])%llm\s+(.*)$")
-_HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve", "stop"}
+_HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve", "stop", "bench"}
 
 
 def _completion_matcher(names: Callable[[], list[str]]) -> Any:
@@ -336,7 +373,9 @@ def _completion_matcher(names: Callable[[], list[str]]) -> Any:
                 return [s for s in SUBCOMMANDS if s.startswith(current)], current
             sub, previous = tokens[0], tokens[-2]
             positional = not current.startswith("-") and not (previous.startswith("--") and previous != "--all")
-            if sub in _HANDLE_SUBS and positional and (len(tokens) == 2 or sub == "close"):
+            if sub in _HANDLE_SUBS and positional and (
+                len(tokens) == 2 or sub == "close" or (sub == "bench" and len(tokens) == 3)
+            ):
                 return [n for n in names() if n.startswith(current)], current
             return [], current
         if cursor_line == 0 and re.match(r"^%%(generate|chat)\s", first_line):

@@ -26,6 +26,7 @@ __all__ = [
     "HelpShown",
     "SUBCOMMANDS",
     "NOT_YET",
+    "BENCH_PROMPT",
     "parse_llm",
     "parse_generate",
     "parse_chat",
@@ -134,9 +135,14 @@ _DOC: dict[str, tuple[str, str, str]] = {
         "server.stop()",
     ),
     "bench": (
-        "%llm bench ...",
-        "Paired benchmarks (not available yet as a magic).",
-        "from aner_nb import bench; bench.run_sides(...); bench.compare(...)",
+        "%llm bench A B [--prompt TEXT ...] [--max-tokens N] [--rounds N] [--warmup N] [--as VAR]",
+        "Paired benchmark of two handles: the same prompts on both, ABBA order, warm-up rounds dropped. "
+        "Shows medians with min/max and the ratio to A (first_token_ms, decode_tokens_per_s, total_ms) and, "
+        "per prompt, whether B's output is identical to A's; the BenchResult goes to VAR and _.",
+        "from aner_nb import bench; from aner_nb.magics import bench_table, bench_outputs; "
+        "VAR = bench.run_sides([bench.lease_side('A', A), bench.lease_side('B', B)], "
+        "[bench.Case('p1', TEXT, max_tokens=N)], rounds=N, warmup=N, baseline='A', manifest_=bench.manifest(B)); "
+        "bench_table(VAR); bench_outputs(VAR)",
     ),
     "help": (
         "%llm help [SUBCOMMAND]",
@@ -146,7 +152,10 @@ _DOC: dict[str, tuple[str, str, str]] = {
 }
 
 SUBCOMMANDS = tuple(_DOC)
-NOT_YET = ("bench",)
+NOT_YET: tuple[str, ...] = ()  # subcommands documented but not wired yet (none at present)
+
+# %llm bench without --prompt: one short prompt, so a quick A/B needs no arguments.
+BENCH_PROMPT = "Write one sentence about why the sky is blue."
 
 _CELL_DOC = {
     "generate": (
@@ -230,7 +239,15 @@ def subcommand_parser(sub: str) -> argparse.ArgumentParser:
     elif sub == "help":
         p.add_argument("topic", metavar="SUBCOMMAND", nargs="?")
     elif sub == "bench":
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.add_argument("a", metavar="A", help="the baseline handle (a lease)")
+        p.add_argument("b", metavar="B", help="the handle compared with A (a lease)")
+        p.add_argument("--prompt", dest="prompts", action="append", metavar="TEXT",
+                       help="a prompt (repeatable; {var} is replaced by the variable's value; "
+                       "default: one short built-in prompt)")
+        p.add_argument("--max-tokens", type=_int, metavar="N", default=64, help="tokens per request (default 64)")
+        p.add_argument("--rounds", type=_int, metavar="N", default=3, help="measured rounds (default 3)")
+        p.add_argument("--warmup", type=_int, metavar="N", default=1, help="warm-up rounds, dropped (default 1)")
+        p.add_argument("--as", dest="var", metavar="VAR", help="also store the BenchResult in this variable")
     return p
 
 

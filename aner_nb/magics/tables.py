@@ -1,4 +1,4 @@
-"""Pure functions behind ``%llm list``, ``%llm info`` and ``%llm kv``.
+"""Pure functions behind ``%llm list``, ``%llm info``, ``%llm kv`` and ``%llm bench``.
 
 They take handles (or a namespace) and return pandas DataFrames; no IPython
 here, so the same tables are one call away from plain Python.
@@ -13,7 +13,17 @@ from typing import Any, Iterable, Mapping
 from .. import llm
 from ..llm.errors import ConfigurationError
 
-__all__ = ["is_handle", "is_output_cache_name", "handle_kind", "handle_table", "handle_info", "kv_table"]
+__all__ = [
+    "is_handle",
+    "is_output_cache_name",
+    "handle_kind",
+    "handle_table",
+    "handle_info",
+    "kv_table",
+    "BENCH_METRICS",
+    "bench_table",
+    "bench_outputs",
+]
 
 _OUTPUT_CACHE = re.compile(r"^(_{1,3}|_\d+)$")
 LIST_COLUMNS = ("name", "kind", "architecture", "profile", "device", "context", "fingerprint", "state")
@@ -192,3 +202,50 @@ def kv_table(
         frame[col] = frame[col].astype("Int64")
     frame["total_mib"] = frame["total_mib"].astype("Float64")
     return frame
+
+
+BENCH_METRICS = ("first_token_ms", "decode_tokens_per_s", "total_ms")
+
+
+def bench_table(result: Any, metrics: Iterable[str] = BENCH_METRICS) -> Any:
+    """The summary of a :class:`aner_nb.bench.BenchResult`: one row per (side, metric).
+
+    Median, min, max, number of measured requests and the ratio of medians to
+    the baseline side (``result.summary()``), baseline rows first.
+    """
+    table = result.summary(tuple(metrics))
+    if table.empty:
+        return table
+    rank = {side: i for i, side in enumerate(_bench_sides(result))}
+    return table.sort_values("side", key=lambda c: c.map(rank), kind="stable").reset_index(drop=True)
+
+
+def _bench_sides(result: Any) -> list[str]:
+    """The sides of a BenchResult, baseline first, then in the order they first ran."""
+    sides = list(result.frame["side"].drop_duplicates()) if not result.frame.empty else []
+    return sorted(sides, key=lambda side: side != result.baseline)
+
+
+def bench_outputs(result: Any) -> Any:
+    """Per case and side of a BenchResult: median completion and cached input tokens, and
+    whether the side's output is identical to the baseline's (by output hash)."""
+    import pandas as pd
+
+    frame = result.frame
+    columns = ["case", "side", "completion_tokens", "cached_input_tokens", "same_output_as_baseline"]
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for side in _bench_sides(result):
+        same = result.same_outputs(side)
+        for case, group in frame[frame.side == side].groupby("case", sort=False):
+            rows.append({
+                "case": case,
+                "side": side,
+                "completion_tokens": group["completion_tokens"].median(),
+                "cached_input_tokens": group["cached_input_tokens"].median(),
+                "same_output_as_baseline": bool(same.get(case, False)),
+            })
+    table = pd.DataFrame(rows, columns=columns)
+    order = {case: i for i, case in enumerate(frame["case"].drop_duplicates())}
+    return table.sort_values("case", key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
