@@ -37,6 +37,7 @@ from typing import Any
 
 from ..llm.errors import ConfigurationError
 from ..llm.profiles import MAX_TOKENS
+from ..llm.profiles import int_in as _int_in
 from .server import Server
 
 __all__ = ["app", "App", "Server"]
@@ -45,14 +46,6 @@ log = logging.getLogger("aner_nb.api")
 
 DEFAULT_PORT = 11435
 _RESERVED = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")
-
-
-def _int_in(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigurationError(f"{name} must be in {low}..{high}, got {value}")
-    return value
 
 
 def _is_loopback(host: str) -> bool:

@@ -36,8 +36,7 @@ from ._engine import Batch, NativeContext
 from .chat import validate_messages
 from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
 from .lease import FEATURES, LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
-from .memory import kv_estimate
-from .profiles import Profile, RequestSettings
+from .profiles import Profile, RequestSettings, int_in as _int_in
 from .response import Response
 from .runner import Job, validate_only
 from .scheduler import Outbox, Request, Scheduler, SchedulerStats
@@ -50,14 +49,6 @@ __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES"
 MAX_SEQUENCES = 64
 QUEUE_LIMIT = 8
 STREAM_BUFFER = 16
-
-
-def _int_in(name: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
-    if not low <= value <= high:
-        raise ConfigurationError(f"{name} must be in {low}..{high}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -338,14 +329,9 @@ class BatchingModel(LeaseMetadata):
 
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV estimate of the whole shared context, and the process's measured memory."""
-        facts = self._weights.facts
-        kv = kv_estimate(
-            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
-            self._weights.settings.kv_cache_type,
-        )
         return memory_summary(
             self._weights,
-            kv_bytes=kv,
+            kv_bytes=self._context_kv_bytes(),
             kv_scope=(
                 f"whole scheduler (one shared context: {self.max_sequences} sequences x "
                 f"{self.sequence_context} cells)"

@@ -239,6 +239,14 @@ class LeaseMetadata:
     def load_summary(self) -> LoadSummary:
         return self._weights.summary
 
+    def _context_kv_bytes(self) -> int:
+        """KV estimate of one context of this lease's size and KV type."""
+        facts = self._weights.facts
+        return kv_estimate(
+            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
+            self._weights.settings.kv_cache_type,
+        )
+
     def close(self) -> None:  # pragma: no cover - every lease kind defines it
         raise NotImplementedError
 
@@ -514,14 +522,9 @@ class LLMModel(LeaseMetadata):
 
     def memory_summary(self) -> MemorySummary:
         """Weights, KV estimate for this lease's contexts, and the process's measured memory."""
-        facts = self._weights.facts
-        per_context = kv_estimate(
-            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
-            self._weights.settings.kv_cache_type,
-        )
         return memory_summary(
             self._weights,
-            kv_bytes=per_context,
+            kv_bytes=self._context_kv_bytes(),
             kv_scope="per request (one context per active request)",
             contexts=self._weights.native.live_contexts(),
         )

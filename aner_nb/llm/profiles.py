@@ -16,6 +16,7 @@ from .errors import ConfigurationError, InvalidRequestError
 from .memory import KV_CACHE_TYPES
 
 __all__ = [
+    "int_in",
     "MAX_CONTEXT",
     "MAX_TOKENS",
     "MAX_SEED",
@@ -38,7 +39,8 @@ _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _int_in(name: str, value: Any, low: int, high: int, error: type[Exception] = ConfigurationError) -> int:
+def int_in(name: str, value: Any, low: int, high: int, error: type[Exception] = ConfigurationError) -> int:
+    """``value`` if it is an int (not a bool) in ``low..high``, else ``error`` naming the field and range."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(f"{name} must be an integer in {low}..{high}, got {value!r}")
     if not low <= value <= high:
@@ -72,7 +74,7 @@ class LoadSettings:
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
-        _int_in("context", self.context, 1, MAX_CONTEXT)
+        int_in("context", self.context, 1, MAX_CONTEXT)
         parse_device(self.device)
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ConfigurationError(
@@ -107,17 +109,17 @@ class OptimizerSettings:
     speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
-        _int_in("threads", self.threads, 0, 256)
-        _int_in("prefill_threads", self.prefill_threads, 0, 256)
-        _int_in("batch_tokens", self.batch_tokens, 1, MAX_CONTEXT)
-        _int_in("micro_batch_tokens", self.micro_batch_tokens, 1, MAX_CONTEXT)
+        int_in("threads", self.threads, 0, 256)
+        int_in("prefill_threads", self.prefill_threads, 0, 256)
+        int_in("batch_tokens", self.batch_tokens, 1, MAX_CONTEXT)
+        int_in("micro_batch_tokens", self.micro_batch_tokens, 1, MAX_CONTEXT)
         if self.micro_batch_tokens > self.batch_tokens:
             raise ConfigurationError(
                 f"micro_batch_tokens ({self.micro_batch_tokens}) must be <= batch_tokens ({self.batch_tokens})"
             )
-        _int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
-        _int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
-        _int_in("speculative_tokens", self.speculative_tokens, 0, 16)
+        int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
+        int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
+        int_in("speculative_tokens", self.speculative_tokens, 0, 16)
         if self.speculative_tokens >= self.batch_tokens:
             raise ConfigurationError(
                 f"batch_tokens ({self.batch_tokens}) must exceed speculative_tokens ({self.speculative_tokens}): "
@@ -141,7 +143,7 @@ class Profile:
     adapter: str | None = None  # SHA-256 of the LoRA adapter this profile applies, if any
 
     def __post_init__(self) -> None:
-        _int_in("max_idle", self.max_idle_contexts, 0, 4)
+        int_in("max_idle", self.max_idle_contexts, 0, 4)
         if self.adapter is not None and not (isinstance(self.adapter, str) and _SHA256.match(self.adapter)):
             raise ConfigurationError(f"adapter must be None or a lowercase SHA-256 hex digest, got {self.adapter!r}")
 
@@ -178,12 +180,12 @@ class RequestSettings:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _int_in("max_tokens", self.max_tokens, 0, MAX_TOKENS, InvalidRequestError)
+        int_in("max_tokens", self.max_tokens, 0, MAX_TOKENS, InvalidRequestError)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
             raise InvalidRequestError(f"temperature must be a finite number in [0, 2], got {t!r}")
         object.__setattr__(self, "temperature", float(t))
-        _int_in("seed", self.seed, 0, MAX_SEED, InvalidRequestError)
+        int_in("seed", self.seed, 0, MAX_SEED, InvalidRequestError)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
 
     @property
