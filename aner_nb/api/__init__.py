@@ -58,7 +58,9 @@ def _is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Served:
+class MountSpec:
+    """One served lease: the seed route's path and the id clients use for it."""
+
     path: str
     model: Any
     name: str
@@ -69,7 +71,7 @@ class App:
     """An immutable description of a service; build it with :func:`app` and the chained methods."""
 
     title: str = "aner_nb"
-    served: tuple[_Served, ...] = ()
+    served: tuple[MountSpec, ...] = ()
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     max_rows: int = 64
@@ -102,7 +104,7 @@ class App:
                 raise ConfigurationError(f"path {path!r} already serves {other.name!r}")
             if other.name == name:
                 raise ConfigurationError(f"model id {name!r} is already served at {other.path}; pass name=")
-        return dataclasses.replace(self, served=(*self.served, _Served(path, model, name)))
+        return dataclasses.replace(self, served=(*self.served, MountSpec(path, model, name)))
 
     def bind(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> "App":
         """Where to listen; ``port=0`` picks a free port (``Server.url`` names it). Loopback by default."""
@@ -154,13 +156,13 @@ class App:
     # -- running ----------------------------------------------------------------------------
     def asgi(self) -> Any:
         """A new ASGI application (FastAPI) for any ASGI server; each call has its own pools and counters."""
-        from .service import MountSpec, ServiceConfig, build_app
+        from .service import ServiceConfig, build_app
 
         if not self.served:
             raise ConfigurationError("nothing to serve: add a model with .llm(path='/chat', model=lease)")
         config = ServiceConfig(
             title=self.title,
-            mounts=tuple(MountSpec(s.path, s.model, s.name) for s in self.served),
+            mounts=self.served,
             max_rows=self.max_rows, timeout_ms=self.timeout_ms, max_body_bytes=self.max_body_bytes,
             max_concurrent=self.max_concurrent, retry_after_s=self.retry_after_s, max_tokens=self.max_tokens,
             bearer_token=self.bearer_token,

@@ -35,24 +35,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from .. import __version__
 from ..llm import errors as llm_errors
+from . import MountSpec
 from . import metrics as metrics_mod
 from .errors import ApiError, busy, from_library
 from .guard import Guard
 from .runtime import ClientGone, Generation, Mount, RequestTimeout
 from .schemas import ChatAnswer, ChatCompletion, ErrorBody, Health, ModelCard, ModelList, request_models
 
-__all__ = ["ServiceConfig", "MountSpec", "build_app"]
+__all__ = ["ServiceConfig", "build_app"]
 
 log = logging.getLogger("aner_nb.api")
-
-
-@dataclass(frozen=True)
-class MountSpec:
-    """One served lease: the seed route's path and the id clients use for it."""
-
-    path: str
-    model: Any
-    name: str
 
 
 @dataclass(frozen=True)
