@@ -147,6 +147,7 @@ def summarize(values: list[float]) -> dict[str, float]:
 def measure(serial, kind: str, clients: int, args) -> dict:
     requests = workload(kind, clients, args.max_tokens)
     serving = serial.with_batching(clients)
+    serving_pairing = serving._scheduler.pair_columns
     try:
         _, reference = serial_run(serial, requests)  # warm-up, and the serial outputs
         batched_run(serving, requests)  # warm-up
@@ -155,6 +156,7 @@ def measure(serial, kind: str, clients: int, args) -> dict:
         first = {"serial": [], "batched": []}
         done = {"serial": [], "batched": []}
         identical, compared, differing = 0, 0, {}
+        paired: list[float] = []
         for r in range(args.rounds):
             order = ("serial", "batched") if r % 2 == 0 else ("batched", "serial")
             for side in order:
@@ -170,6 +172,7 @@ def measure(serial, kind: str, clients: int, args) -> dict:
                             identical += 1
                         else:
                             differing.setdefault(req.name, (req, ref.tokens, o.tokens))
+            paired.append(tput["batched"][-1] / tput["serial"][-1])  # both sides of one round: same machine state
         stats = serving.stats()
     finally:
         serving.close()
@@ -183,6 +186,7 @@ def measure(serial, kind: str, clients: int, args) -> dict:
         "requests": [asdict(r) | {"prompt_tokens": len(serial.prompt_tokens(r.prompt))} for r in requests],
         "throughput_tok_s": {side: summarize(v) for side, v in tput.items()},
         "ratio": statistics.median(tput["batched"]) / statistics.median(tput["serial"]),
+        "paired_ratio": summarize(paired),
         "first_token_ms": {side: summarize(v) for side, v in first.items()},
         "completion_ms": {side: summarize(v) for side, v in done.items()},
         "identical_outputs": identical,
@@ -190,6 +194,8 @@ def measure(serial, kind: str, clients: int, args) -> dict:
         "divergences": diagnostics,
         "scheduler_steps_per_run": (stats.steps - steps0) / max(args.rounds, 1),
         "compactions": stats.compactions,
+        "padding_rows": stats.padding_rows,
+        "column_pairing": serving_pairing,
     }
     return result
 
@@ -210,10 +216,13 @@ def report(result: dict) -> str:
         )
     target = TARGETS.get((kind, n))
     verdict = "" if target is None else f" (target >= {target:.2f}x: {'met' if result['ratio'] >= target else 'NOT met'})"
-    lines.append(f"  throughput batched/serial (medians): {result['ratio']:.2f}x{verdict}")
+    p = result["paired_ratio"]
+    lines.append(f"  throughput batched/serial (medians): {result['ratio']:.2f}x{verdict}; per-round ratios "
+                 f"median {p['median']:.2f}x (min {p['min']:.2f}, max {p['max']:.2f})")
     lines.append(
         f"  identical outputs: {result['identical_outputs']}/{result['compared_outputs']}; "
-        f"scheduler steps per run {result['scheduler_steps_per_run']:.0f}; compactions {result['compactions']}"
+        f"scheduler steps per run {result['scheduler_steps_per_run']:.0f}; compactions {result['compactions']}; "
+        f"padding rows {result['padding_rows']} (column pairing {result['column_pairing']})"
     )
     for d in result["divergences"]:
         lines.append(
@@ -233,16 +242,19 @@ def markdown(results: list[dict], manifest: dict) -> str:
         f"context {m.get('context')}, threads {manifest.get('threads')} on both sides, "
         f"{manifest.get('rounds')} rounds ABBA after one warm-up, measured {manifest.get('date')}.",
         "",
-        "| workload | clients | serial tok/s | batched tok/s | ratio | target | first token ms serial / batched (median, max) "
+        "| workload | clients | serial tok/s (min-max) | batched tok/s (min-max) | ratio of medians | per-round ratio "
+        "median (min-max) | target | first token ms serial / batched (median, max) "
         "| completion ms serial / batched (median, max) | identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         t, f, c = r["throughput_tok_s"], r["first_token_ms"], r["completion_ms"]
         target = TARGETS.get((r["workload"], r["clients"]))
         out.append(
-            f"| {r['workload']} | {r['clients']} | {t['serial']['median']:.1f} | {t['batched']['median']:.1f} "
-            f"| {r['ratio']:.2f}x | {'-' if target is None else f'>= {target:.2f}x'} "
+            f"| {r['workload']} | {r['clients']} | {t['serial']['median']:.1f} ({t['serial']['min']:.1f}-{t['serial']['max']:.1f}) "
+            f"| {t['batched']['median']:.1f} ({t['batched']['min']:.1f}-{t['batched']['max']:.1f}) "
+            f"| {r['ratio']:.2f}x | {r['paired_ratio']['median']:.2f}x ({r['paired_ratio']['min']:.2f}-{r['paired_ratio']['max']:.2f}) "
+            f"| {'-' if target is None else f'>= {target:.2f}x'} "
             f"| {f['serial']['median']:.0f}, {f['serial']['max']:.0f} / {f['batched']['median']:.0f}, {f['batched']['max']:.0f} "
             f"| {c['serial']['median']:.0f}, {c['serial']['max']:.0f} / {c['batched']['median']:.0f}, {c['batched']['max']:.0f} "
             f"| {r['identical_outputs']}/{r['compared_outputs']} |"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import hashlib
 import os
@@ -86,6 +88,8 @@ def test_tensor_bytes_and_metadata_agree_with_gguf_reader(fixture_models):
         field = reader.get_field(f"{arch}.context_length")
         assert facts.context_length == int(field.contents())
         assert facts.vocab_size == len(reader.get_field("tokenizer.ggml.tokens").data)
+        assert dict(facts.tensor_types) == {t.name: t.tensor_type.name for t in reader.tensors}
+        assert facts.output_type == dict(facts.tensor_types)["output.weight"]
 
 
 def test_model_without_template(fixture_models):
@@ -409,3 +413,10 @@ def test_lora_fixture_applies_to_tiny_llama(fixture_models):
             llm.close()
 
     assert greedy() != greedy(lora_path=str(lora_path))
+
+
+def test_output_type_falls_back_to_the_tied_embedding(llama_path):
+    facts = inspect_model(llama_path)
+    tied = dataclasses.replace(facts, tensor_types=tuple(t for t in facts.tensor_types if t[0] != "output.weight"))
+    assert tied.output_type == dict(facts.tensor_types)["token_embd.weight"]
+    assert dataclasses.replace(facts, tensor_types=()).output_type is None

@@ -167,6 +167,38 @@ def test_queued_requests_wait_for_a_free_slot_and_record_their_queue_time(model,
     assert all(r.timings.batch_peak_sequences <= 2 for r in responses)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("batch_tokens", [512, 12])
+def test_odd_logits_counts_are_padded_without_changing_outputs(fixture_models, arch, batch_tokens, monkeypatch):
+    """With column pairing forced on, steps sampling 3 or 5 rows request one more logits row:
+    a prompt row that is not sampled (chunked prefill, batch_tokens=12) or a token in an empty
+    sequence id that is removed after the step. Nobody's tokens change; no cell is left behind."""
+    from aner_nb.llm import batching
+
+    monkeypatch.setattr(batching, "pairs_batch_columns", lambda weight_type: True)
+    marked = []  # prompt rows given logits only for the padding
+    mark = _engine.Batch.mark_output
+    monkeypatch.setattr(_engine.Batch, "mark_output", lambda self, i: (marked.append(i), mark(self, i))[1])
+    n = 5
+    prompts, max_tokens = PROMPTS[:n], [30, 6, 14, 22, 9]  # finishing one by one: 5, 4, 3, 2, 1 sampled rows
+    with llm.load(fixture_models[arch], context=CTX) as base:
+        alone = [base.generate(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+        source = base.with_optimizer(batch_tokens=batch_tokens, micro_batch_tokens=batch_tokens)
+        with source.with_batching(6) as serving:
+            assert serving._scheduler.pair_columns
+            batched = concurrently(lambda i: serving.generate(prompts[i], max_tokens=max_tokens[i]), n)
+            stats = serving.stats()
+            ctx = serving._scheduler._ctx
+            assert [ctx.seq_pos_max(seq) for seq in range(6)] == [-1] * 6  # every sequence cleared
+        source.close()
+    for a, b in zip(alone, batched):
+        assert isinstance(b, llm.Response), b
+        assert b.tokens == a.tokens and b.text == a.text
+    assert stats.completed == n
+    assert len(marked) >= 1 and stats.padding_rows > len(marked)  # both kinds of padding row were used
+    assert stats.evaluated_tokens >= sum(len(r.tokens) + r.timings.prompt_tokens for r in alone) - n
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_a_gap_between_sequence_ids_is_closed_without_changing_outputs(fixture_models, arch):
     """Sequences 0 and 2 keep running after 1 finishes: 2 moves to 1 (a KV stream copy)."""

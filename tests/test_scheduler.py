@@ -19,6 +19,7 @@ from aner_nb.llm.scheduler import (
     compaction_moves,
     kv_victim,
     next_sequence_id,
+    output_rows,
     plan_step,
     share_budget,
 )
@@ -151,6 +152,29 @@ def test_kv_victim_is_the_newest_prefill_else_the_newest():
     assert kv_victim([(0, 1, False), (5, 7, False)]) == 5
     with pytest.raises(ValueError):
         kv_victim([])
+
+
+# -- logits rows and the CPU output kernel ------------------------------------------------------
+def test_output_rows_pads_odd_counts_only_where_the_kernel_pairs_columns():
+    assert [output_rows(n, True) for n in range(9)] == [0, 1, 2, 4, 4, 6, 6, 8, 8]
+    assert [output_rows(n, False) for n in range(9)] == list(range(9))
+
+
+@pytest.mark.parametrize("info, expected", [
+    ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |", True),
+    ("CPU : AVX2 = 1 | LLAMAFILE = 1 |", True),
+    ("CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 |", False),  # 32 registers
+    ("CPU : AVX = 1 | AVX2 = 1 | LLAMAFILE = 0 |", False),  # ggml's own kernels
+    ("CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1 | LLAMAFILE = 1 |", False),
+    ("CUDA : ARCHS = 890 | CPU : AVX2 = 1 | LLAMAFILE = 1 |", True),
+])
+def test_column_pairing_is_read_from_the_build_flags(info, expected):
+    from aner_nb.llm._engine import pairs_batch_columns
+
+    assert pairs_batch_columns("Q8_0", info) is expected
+    assert pairs_batch_columns("Q5_0", info) is expected
+    assert pairs_batch_columns("Q6_K", info) is False  # not a tinyBLAS Q0 type
+    assert pairs_batch_columns(None, info) is False
 
 
 # -- the per-request outbox ---------------------------------------------------------------------

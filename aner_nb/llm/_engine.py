@@ -27,6 +27,7 @@ __all__ = [
     "accelerator_kind",
     "system_info",
     "default_threads",
+    "pairs_batch_columns",
     "ContextParams",
     "NativeModel",
     "NativeContext",
@@ -108,6 +109,30 @@ def accelerator_kind() -> str | None:
         if f"{name} :" in info or f"{name}:" in info or name in info:
             return name.lower()
     return "gpu"
+
+
+# Weight types ggml-cpu multiplies with llamafile's tinyBLAS "Q0" kernels on x86.
+_TINYBLAS_Q0_TYPES = frozenset({"Q8_0", "Q4_0", "Q5_0", "IQ4_NL"})
+
+
+def pairs_batch_columns(weight_type: str | None, info: str | None = None) -> bool:
+    """Whether this CPU build multiplies ``weight_type`` weights two batch columns at a time.
+
+    ggml-cpu hands matmuls of two or more batch columns (logits rows, for the
+    output layer) to llamafile's tinyBLAS. On x86 with 16 vector registers
+    (AVX2, no AVX-512) its Q0 kernels tile 4 weight rows by 2 columns; with an
+    odd column count >= 3 the last column gets a pass of its own over the
+    whole weight matrix. For a vocabulary-sized output matrix (demo model: 262k
+    x 640 Q8_0, 178 MB) that extra pass costs about a one-row decode: 3
+    logits rows took 75.6 ms per step, 4 rows 56.1 ms. ``info`` defaults to
+    llama.cpp's system info string of this build.
+    """
+    if weight_type not in _TINYBLAS_Q0_TYPES:
+        return False
+    # "CPU : SSE3 = 1 | AVX2 = 1 | ... | LLAMAFILE = 1 |": a backend name prefixes its first flag.
+    parts = (part.partition("=") for part in (info or system_info()).split("|"))
+    on = {key.rpartition(":")[2].strip() for key, _, value in parts if value.strip() == "1"}
+    return {"AVX2", "LLAMAFILE"} <= on and not any(flag.startswith("AVX512") for flag in on)
 
 
 def default_threads() -> tuple[int, int]:
@@ -470,6 +495,12 @@ class Batch(_Owner):
         self._logits[i] = 1 if logits else 0
         self.native.n_tokens = i + 1
         return i
+
+    def mark_output(self, i: int) -> None:
+        """Request logits for row ``i`` as well (it was added without)."""
+        if not 0 <= i < self.native.n_tokens:
+            raise EngineError(f"batch row {i} does not exist ({self.native.n_tokens} rows)")
+        self._logits[i] = 1
 
     def add_run(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False) -> int:
         """Append consecutive tokens of one sequence; returns the index of the last row."""

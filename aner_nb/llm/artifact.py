@@ -72,6 +72,7 @@ LORA_SUFFIXES = (".lora_a", ".lora_b")
 
 # (tensor name, ggml dims ne[0..n)) in file order; ne[0] is the row length (input features).
 TensorShapes = tuple[tuple[str, tuple[int, ...]], ...]
+TensorTypes = tuple[tuple[str, str], ...]  # (tensor name, ggml type name such as "Q8_0")
 
 # value type -> struct format character (scalars)
 _SCALAR_FORMATS = {
@@ -119,6 +120,17 @@ class ModelFacts:
     eos_token: str | None
     tensor_bytes: int        # sum of the tensors' data sizes
     tensors: TensorShapes = field(default=(), repr=False)  # names and ggml shapes
+    tensor_types: TensorTypes = field(default=(), repr=False)  # names and ggml type names
+
+    @property
+    def output_type(self) -> str | None:
+        """The ggml type of the output projection's weights (``token_embd`` when the embedding is tied).
+
+        The output layer multiplies a vocabulary-sized matrix for every row
+        that needs logits; its type decides which CPU kernel runs it.
+        """
+        types = dict(self.tensor_types)
+        return types.get("output.weight", types.get("token_embd.weight"))
 
     @property
     def has_chat_template(self) -> bool:
@@ -311,8 +323,8 @@ def _check_magic_and_version(path: str, head: bytes) -> tuple[int, str]:
 
 def _read_header(
     path: str, buf: mmap.mmap, size: int, endian: str
-) -> tuple[dict[str, Any], int, TensorShapes, _Header]:
-    """Parse key/values and tensor infos; return (metadata, tensor_bytes, tensor shapes, reader)."""
+) -> tuple[dict[str, Any], int, TensorShapes, TensorTypes, _Header]:
+    """Parse key/values and tensor infos; return (metadata, tensor_bytes, shapes, types, reader)."""
     h = _Header(buf, size, endian)
     n_tensors = h.u64(8)
     n_kv = h.u64(16)
@@ -336,6 +348,7 @@ def _read_header(
 
     infos = []
     shapes: list[tuple[str, tuple[int, ...]]] = []
+    types: list[tuple[str, str]] = []
     names = set()
     for _ in range(n_tensors):
         name, off = h.string(off, what="tensor name")
@@ -350,7 +363,8 @@ def _read_header(
         t_off = h.u64(off + 4)
         off += 12
         try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+            ggml_type = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise ValueError(f"tensor {name!r} has unknown ggml type {raw_type}") from None
         n_elems = 1
@@ -363,6 +377,7 @@ def _read_header(
         names.add(name)
         infos.append((name, t_off, n_elems // block * type_size))
         shapes.append((name, tuple(int(d) for d in dims)))
+        types.append((name, ggml_type.name))
 
     alignment = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -377,7 +392,7 @@ def _read_header(
                 f"but the file has {size} bytes"
             )
         total += nbytes
-    return meta, total, tuple(shapes), h
+    return meta, total, tuple(shapes), tuple(types), h
 
 
 def _int(meta: dict[str, Any], key: str, path: str, default: int | None = None) -> int:
@@ -448,7 +463,7 @@ def inspect_model(path: os.PathLike[str] | str) -> ModelFacts:
         )
     with _open_gguf(p, st) as g:
         arch = _admit(p, g.meta)
-        return _facts(p, g.size, g.version, arch, g.meta, g.tensor_bytes, g.tensors, g.header)
+        return _facts(p, g.size, g.version, arch, g.meta, g.tensor_bytes, g.tensors, g.tensor_types, g.header)
 
 
 @dataclass(frozen=True)
@@ -460,6 +475,7 @@ class _Parsed:
     meta: dict[str, Any]
     tensor_bytes: int
     tensors: TensorShapes
+    tensor_types: TensorTypes
     header: _Header
 
 
@@ -476,7 +492,7 @@ def _open_gguf(p: str, st: os.stat_result, kind: str = "model") -> Iterator[_Par
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 size = len(buf)
                 try:
-                    meta, tensor_bytes, tensors, h = _read_header(p, buf, size, endian)
+                    meta, tensor_bytes, tensors, types, h = _read_header(p, buf, size, endian)
                 except _Truncated as exc:
                     raise InvalidArtifactError(
                         f"truncated or corrupted GGUF file {p}: header runs past the end of the "
@@ -486,14 +502,14 @@ def _open_gguf(p: str, st: os.stat_result, kind: str = "model") -> Iterator[_Par
                     if isinstance(exc, InvalidArtifactError):
                         raise
                     raise InvalidArtifactError(f"corrupted GGUF file {p}: {exc}") from None
-                yield _Parsed(size, version, meta, tensor_bytes, tensors, h)
+                yield _Parsed(size, version, meta, tensor_bytes, tensors, types, h)
     except OSError as exc:
         raise InvalidArtifactError(f"cannot read {kind} file {p}: {exc.strerror or exc}") from None
 
 
 def _facts(
     path: str, size: int, version: int, arch: str, meta: dict[str, Any], tensor_bytes: int,
-    tensors: TensorShapes, h: _Header,
+    tensors: TensorShapes, tensor_types: TensorTypes, h: _Header,
 ) -> ModelFacts:
     a = arch
     layers = _int(meta, f"{a}.block_count", path)
@@ -545,6 +561,7 @@ def _facts(
         eos_token=token_text("tokenizer.ggml.eos_token_id"),
         tensor_bytes=tensor_bytes,
         tensors=tensors,
+        tensor_types=tensor_types,
     )
 
 

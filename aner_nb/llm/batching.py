@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
-from ._engine import Batch, NativeContext
+from ._engine import Batch, NativeContext, pairs_batch_columns
 from .chat import validate_messages
 from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
 from .lease import FEATURES, LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
@@ -117,6 +117,7 @@ class BatchingModel(LeaseMetadata):
                 model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
                 batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
                 queue_limit=settings.queue_limit, on_exit=weights.release,
+                pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
                 name=f"aner-scheduler-{weights.facts.name}",
             )
         except BaseException:

@@ -33,7 +33,8 @@ kept consecutive (admissions take an id next to the running ones, and when
 a finished request leaves a gap that no queued request fills, the fewest
 sequences move, a KV stream copy each) one micro-batch carries a token of
 every sequence. Logits are requested only for rows that
-are sampled. A finished sequence's cells are removed at once and its id
+are sampled, plus one ignored row where an odd count would cost the CPU
+kernel an extra pass over the output weights (:func:`output_rows`). A finished sequence's cells are removed at once and its id
 admits queued work on the next step, so a short request that arrives late
 can finish before an earlier long one. Admission is first in, first out.
 """
@@ -66,6 +67,7 @@ __all__ = [
     "next_sequence_id",
     "compaction_moves",
     "kv_victim",
+    "output_rows",
 ]
 
 log = logging.getLogger("aner_nb.scheduler")
@@ -204,6 +206,20 @@ def kv_victim(participants: Sequence[tuple[int, int, bool]]) -> int:
     return max(prefilling or participants, key=lambda p: p[1])[0]
 
 
+def output_rows(sampled: int, pair_columns: bool) -> int:
+    """How many logits rows a step requests when ``sampled`` of its rows are sampled.
+
+    Where the CPU kernel multiplies the output weights two batch columns at a
+    time (``pair_columns``, see :func:`aner_nb.llm._engine.pairs_batch_columns`),
+    an odd count of three or more costs a whole extra pass over those weights,
+    more than one more column does: such a step asks for one more row's logits
+    and ignores them. One row takes the single-column kernel and stays as is.
+    """
+    if pair_columns and sampled >= 3 and sampled % 2:
+        return sampled + 1
+    return sampled
+
+
 # -- the caller's side of a request -----------------------------------------------------
 
 
@@ -336,6 +352,7 @@ class SchedulerStats:
     decoded_tokens: int  # tokens sampled (one per logits row read)
     peak_sequences: int
     compactions: int
+    padding_rows: int  # logits rows requested only to keep the output kernel to one pass
     closed: bool
     running: bool
 
@@ -362,6 +379,7 @@ class Scheduler:
         sequence_context: int,
         queue_limit: int,
         on_exit: Callable[[], None],
+        pair_columns: bool = False,
         name: str = "aner-scheduler",
     ) -> None:
         if batch.capacity < batch_tokens:
@@ -371,6 +389,7 @@ class Scheduler:
         self.batch_tokens = batch_tokens
         self.sequence_context = sequence_context
         self.queue_limit = queue_limit
+        self.pair_columns = pair_columns
         self._ctx = ctx
         self._batch = batch
         self._on_exit = on_exit
@@ -465,6 +484,7 @@ class Scheduler:
                 decoded_tokens=c["decoded_tokens"],
                 peak_sequences=self._peak,
                 compactions=c["compactions"],
+                padding_rows=c["padding_rows"],
                 closed=self._closed,
                 running=self._thread.is_alive(),
             )
@@ -568,11 +588,27 @@ class Scheduler:
             return
         plan = plan_step([r.seq for r in decoding], [(r.seq, len(r.job.prompt_tokens) - r.evaluated) for r in prefilling], self.batch_tokens)
         by_seq = {r.seq: r for r in self._active}
+        layout = list(plan.layout())
+        finishing = [seq for seq, n in plan.prefill if by_seq[seq].evaluated + n == len(by_seq[seq].job.prompt_tokens)]
+        sampled = len(plan.decode) + len(finishing)
+        pad = output_rows(sampled, self.pair_columns) > sampled
+        # The extra logits row: a prompt row that is not sampled if the step has one, else a
+        # token of its own in an empty sequence id next to the active ones (one micro-batch),
+        # whose cell is removed right after the step.
+        prompt_rows = plan.n_tokens - len(plan.decode)
+        pad_seq = -1
+        if pad and prompt_rows == len(finishing) and self._free and plan.n_tokens < self.batch_tokens:
+            pad_seq = next_sequence_id(list(by_seq), self._free)
+            layout = sorted([*layout, (pad_seq, 1)])
         batch = self._batch
         batch.clear()
         rows: list[tuple[Request, int]] = []  # (request, logits row) for every row that is sampled
         chunks: list[tuple[Request, int]] = []
-        for seq, n in plan.layout():
+        spare = -1
+        for seq, n in layout:
+            if seq == pad_seq:
+                batch.add(max(self.model.bos, 0), 0, seq, logits=True)
+                continue
             r = by_seq[seq]
             if r.prefilling:
                 prompt, lo = r.job.prompt_tokens, r.evaluated
@@ -581,11 +617,18 @@ class Scheduler:
                 chunks.append((r, n))
                 if last:
                     rows.append((r, row))
+                    if n > 1:
+                        spare = row - 1
+                else:
+                    spare = row
             else:
                 rows.append((r, batch.add(r.next_token, r.pos, seq, logits=True)))
-        participants = [by_seq[seq] for seq, _ in plan.layout()]
+        padded = pad and (pad_seq >= 0 or spare >= 0)
+        if pad and pad_seq < 0 and spare >= 0:
+            batch.mark_output(spare)
+        participants = [by_seq[seq] for seq, _ in layout if seq != pad_seq]
         try:
-            rc = self._ctx.decode(batch)
+            rc = self._decode(batch, pad_seq)
         except EngineError as exc:
             # A failed llama_decode leaves the batch's sequences in an unknown KV state.
             for r in participants:
@@ -606,6 +649,7 @@ class Scheduler:
             self._counts["steps"] += 1
             self._counts["evaluated_tokens"] += n_tokens
             self._counts["decoded_tokens"] += len(rows)
+            self._counts["padding_rows"] += padded
             self._peak = max(self._peak, n_seqs)
         for r in participants:
             r.steps += 1
@@ -621,6 +665,14 @@ class Scheduler:
                 r.out.measured["prompt_eval_duration"] = t_done - r.out.t_work
         for r, row in rows:
             self._sample(r, row)
+
+    def _decode(self, batch: Batch, pad_seq: int) -> int:
+        """One ``llama_decode``; a padding row's cell is removed again whatever the outcome."""
+        try:
+            return self._ctx.decode(batch)
+        finally:
+            if pad_seq >= 0 and not self._ctx.seq_rm(pad_seq, 0, -1):
+                raise EngineError(f"llama.cpp refused to clear padding sequence {pad_seq}")
 
     def _sample(self, r: Request, row: int) -> None:
         out = r.out
