@@ -473,7 +473,9 @@ def test_lease_api_metadata_and_builders(model):
         assert isinstance(serving, llm.BatchingModel)
         assert serving.fingerprint == model.fingerprint and serving.architecture == "llama"
         assert serving.context == CTX and serving.sequence_context == CTX // 4 and serving.max_sequences == 4
-        assert serving.device == model.device and serving.path == model.path and serving.profile == model.profile
+        assert serving.device == model.device and serving.path == model.path
+        assert serving.profile == model.profile.with_(max_sequences=4) and serving.profile.kind == "throughput"
+        assert model.profile.kind == "ordinary" and model.profile.max_sequences == 0
         assert serving.facts is model.facts and serving.chat_template == model.chat_template
         assert serving.batching == llm.BatchingSettings(max_sequences=4)
         r = repr(serving)

@@ -127,7 +127,7 @@ class BatchingModel(LeaseMetadata):
             weights.release()
             raise
         self._weights = weights
-        self._profile = profile
+        self._profile = profile.with_(max_sequences=settings.max_sequences)
         self._settings = settings
         self._params = params
         self._scheduler = scheduler

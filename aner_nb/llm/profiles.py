@@ -141,14 +141,19 @@ class Profile:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     max_idle_contexts: int = 1
     adapter: str | None = None  # SHA-256 of the LoRA adapter this profile applies, if any
+    max_sequences: int = 0  # a throughput (batching) profile's concurrent sequences; 0 for the others
 
     def __post_init__(self) -> None:
         int_in("max_idle", self.max_idle_contexts, 0, 4)
+        int_in("max_sequences", self.max_sequences, 0, 64)
         if self.adapter is not None and not (isinstance(self.adapter, str) and _SHA256.match(self.adapter)):
             raise ConfigurationError(f"adapter must be None or a lowercase SHA-256 hex digest, got {self.adapter!r}")
 
     @property
     def kind(self) -> str:
+        """``throughput`` (a batching lease), ``latency`` (prefix cache or speculation) or ``ordinary``."""
+        if self.max_sequences:
+            return "throughput"
         return "latency" if self.optimizer.is_latency_profile else "ordinary"
 
     def with_(self, **changes: Any) -> "Profile":

@@ -64,9 +64,7 @@ def _get(obj: Any, attr: str, default: Any = None) -> Any:
 
 
 def _profile_kind(obj: Any) -> Any:
-    """``ordinary``/``latency`` from the lease's profile; ``throughput`` for a batching lease."""
-    if handle_kind(obj) == "batching":
-        return "throughput"
+    """``ordinary``, ``latency`` or ``throughput``, from the lease's profile."""
     profile = _get(obj, "profile")
     return _get(profile, "kind") if profile is not None else None
 
