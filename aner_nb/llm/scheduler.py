@@ -32,11 +32,12 @@ sequence ids (each one a full pass over the weights): with the active ids
 kept consecutive (admissions take an id next to the running ones, and when
 a finished request leaves a gap that no queued request fills, the fewest
 sequences move, a KV stream copy each) one micro-batch carries a token of
-every sequence. Logits are requested only for rows that
-are sampled, plus one ignored row where an odd count would cost the CPU
-kernel an extra pass over the output weights (:func:`output_rows`). A finished sequence's cells are removed at once and its id
-admits queued work on the next step, so a short request that arrives late
-can finish before an earlier long one. Admission is first in, first out.
+every sequence. Logits are requested only for rows that are sampled, plus
+one ignored row where an odd count would cost the CPU kernel an extra pass
+over the output weights (:func:`output_rows`). A finished sequence's cells
+are removed at once and its id admits queued work on the next step, so a
+short request that arrives late can finish before an earlier long one.
+Admission is first in, first out.
 """
 
 from __future__ import annotations
