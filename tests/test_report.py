@@ -111,3 +111,26 @@ def test_report_runs_the_notebook_in_this_python(tmp_path):
     state = executed.metadata["widgets"][WIDGET_STATE]["state"]
     assert any(m["model_name"] == "IntSliderModel" for m in state.values())
     assert "IntSliderModel" in html.read_text(encoding="utf-8")
+
+
+def test_report_fails_fast_naming_the_cell_and_signal_when_the_kernel_dies(tmp_path, capsys):
+    """A kernel killed by a signal (SIGILL, as on a CPU that faults on AMX) ends the report at once."""
+    import time
+
+    source = tmp_path / "dies.ipynb"
+    nb = new_notebook()
+    nb.cells = [
+        new_code_cell("x = 1"),
+        new_code_cell("import os, signal\nos.kill(os.getpid(), signal.SIGILL)"),
+        new_code_cell("print('never runs')"),
+    ]
+    nbformat.write(nb, source)
+    t0 = time.monotonic()
+    with pytest.raises(report.KernelDiedError) as info:
+        report.run_report(str(source), str(tmp_path / "reports"), timeout=600, out=io.StringIO())
+    # The cell timeout is 600 s; the liveness poll runs every second. Generous bound, not a speed test.
+    assert time.monotonic() - t0 < 60
+    message = str(info.value)
+    assert "SIGILL" in message and "cell 2" in message and "import os, signal" in message
+    assert main(["report", "--notebook", str(source), "--output-dir", str(tmp_path / "r2")]) == 1
+    assert "SIGILL" in capsys.readouterr().err

@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from ..llm.profiles import CPU_EXTRA_BUFFERS
+
 __all__ = ["main", "parser"]
 
 
@@ -30,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=4096, metavar="N",
                    help="context cells, split equally between the sequences (default 4096)")
     p.add_argument("--chat-template", metavar="T", help="a built-in template name (e.g. gemma) or a Jinja string")
+    p.add_argument("--cpu-extra-buffers", choices=CPU_EXTRA_BUFFERS, default=None,
+                   help="AMX/repack weight buffers: auto probes once per CPU and build in a child process "
+                   "(default $ANER_NB_CPU_EXTRA_BUFFERS or auto)")
     p.add_argument("--api-key-env", metavar="VAR",
                    help="require 'Authorization: Bearer <key>' with the key read from environment variable VAR")
     p.add_argument("--name", help="the model id clients see (default: the model's name)")
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"aner-nb serve: environment variable {args.api_key_env} is unset or empty", file=sys.stderr)
             return 2
     try:
-        base = llm.load(args.model, context=args.context, chat_template=args.chat_template)
+        base = llm.load(args.model, context=args.context, chat_template=args.chat_template,
+                        cpu_extra_buffers=args.cpu_extra_buffers)
     except (LLMError, OSError) as exc:
         print(f"aner-nb serve: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2

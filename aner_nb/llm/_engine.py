@@ -203,10 +203,15 @@ def _free_once(free_fn: Any, ptr: Any, what: str) -> bool:
 class NativeModel(_Owner):
     """A loaded ``llama_model`` plus its vocabulary; contexts are freed before it."""
 
-    def __init__(self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True) -> None:
+    def __init__(
+        self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, extra_buffers: bool = True
+    ) -> None:
         lib = _llama()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        # CPU "extra" buffer types repack quantized weights for AMX tiles or wider SIMD at load;
+        # their kernels run at the first decode. Off keeps plain CPU buffers (cpu_guard decides).
+        params.use_extra_bufts = bool(extra_buffers)
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         params.check_tensors = False
         ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
@@ -223,6 +228,7 @@ class NativeModel(_Owner):
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
         self.n_swa = int(lib.llama_model_n_swa(ptr))
         self.size_bytes = int(lib.llama_model_size(ptr))
+        self.extra_buffers = bool(extra_buffers)
         self.n_params = int(lib.llama_model_n_params(ptr))
         self.bos = int(lib.llama_vocab_bos(self.vocab))
         self.eos = int(lib.llama_vocab_eos(self.vocab))

@@ -23,6 +23,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "EngineError",
     "NativeUnavailableError",
+    "UnsupportedCPUError",
 ]
 
 
@@ -92,3 +93,7 @@ class EngineError(LLMError, RuntimeError):
 
 class NativeUnavailableError(EngineError):
     """llama-cpp-python cannot be imported or its shared library cannot be loaded."""
+
+
+class UnsupportedCPUError(NativeUnavailableError):
+    """This llama.cpp build executes instructions this CPU cannot run (a probe child died by a signal)."""

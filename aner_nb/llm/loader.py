@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from . import _engine
+from . import _engine, cpu_guard
 from .artifact import inspect_model, sha256_file
 from .chat import resolve_template
 from .errors import ArtifactChangedError, ConfigurationError, DeviceUnavailableError
@@ -58,16 +58,22 @@ def load(
     kv_cache_type: str = "f16",
     flash_attention: str = "auto",
     chat_template: str | None = None,
+    cpu_extra_buffers: str | None = None,
     progress: bool | None = None,
 ) -> LLMModel:
     """Admit, hash and load a single-file GGUF text model; returns a new lease.
 
-    ``progress`` shows a tqdm bar for the hash passes (``None``: on a terminal only).
+    ``cpu_extra_buffers`` (``auto``/``on``/``off``; default ``$ANER_NB_CPU_EXTRA_BUFFERS``
+    or ``auto``) decides whether quantized weights may use llama.cpp's AMX/repack
+    buffer types; ``auto`` trusts them only after a probe child survived them
+    (see ``cpu_guard``). ``progress`` shows a tqdm bar for the hash passes
+    (``None``: on a terminal only).
     """
     t_start = time.perf_counter_ns()
     settings = LoadSettings(
         context=context, device=device, kv_cache_type=kv_cache_type,
         flash_attention=flash_attention, chat_template=chat_template,
+        cpu_extra_buffers=cpu_guard.requested_setting(cpu_extra_buffers),
     )
     facts = inspect_model(path)
     if settings.context > facts.context_length:
@@ -79,6 +85,8 @@ def load(
         settings.chat_template, facts.chat_template,
         bos_token=facts.bos_token or "", eos_token=facts.eos_token or "", model_name=facts.name,
     )
+    # Before this process touches the engine: a build that cannot run here fails a child, not us.
+    extra = cpu_guard.resolve_extra_buffers(settings.cpu_extra_buffers)
     device_name, n_gpu_layers = resolve_device(settings.device)
 
     first: dict[str, Any] = {}
@@ -95,7 +103,7 @@ def load(
     hasher.start()
     t0 = time.perf_counter_ns()
     try:
-        native = _engine.NativeModel(facts.path, n_gpu_layers=n_gpu_layers)
+        native = _engine.NativeModel(facts.path, n_gpu_layers=n_gpu_layers, extra_buffers=extra.use)
     finally:
         hasher.join()
     load_ns = time.perf_counter_ns() - t0
@@ -120,6 +128,8 @@ def load(
         load_duration=load_ns,
         verify_duration=verify_ns,
         total_duration=time.perf_counter_ns() - t_start,
+        cpu_extra_buffers="on" if extra.use else "off",
+        cpu_extra_buffers_reason=extra.reason + (" (cached verdict)" if extra.cached else ""),
     )
     weights = SharedWeights(native, facts, template, settings, device_name, summary)
     try:

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_SEED",
     "DEVICES",
     "FLASH_ATTENTION",
+    "CPU_EXTRA_BUFFERS",
     "LoadSettings",
     "OptimizerSettings",
     "Profile",
@@ -34,6 +35,7 @@ MAX_TOKENS = 65536
 MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
 FLASH_ATTENTION = ("auto", "on", "off")
+CPU_EXTRA_BUFFERS = ("auto", "on", "off")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "metal", "mps")
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -72,9 +74,14 @@ class LoadSettings:
     kv_cache_type: str = "f16"
     flash_attention: str = "auto"
     chat_template: str | None = None
+    cpu_extra_buffers: str = "auto"  # AMX/repack weight buffers: auto probes once per CPU and build
 
     def __post_init__(self) -> None:
         int_in("context", self.context, 1, MAX_CONTEXT)
+        if self.cpu_extra_buffers not in CPU_EXTRA_BUFFERS:
+            raise ConfigurationError(
+                f"cpu_extra_buffers must be one of {', '.join(CPU_EXTRA_BUFFERS)}, got {self.cpu_extra_buffers!r}"
+            )
         parse_device(self.device)
         if self.kv_cache_type not in KV_CACHE_TYPES:
             raise ConfigurationError(

@@ -49,6 +49,7 @@ class MemorySummary:
     sliding_window: int
     rss_bytes: int
     peak_rss_bytes: int
+    cpu_extra_buffers: str = "off"  # quantized weights in AMX/repack buffers ("on") or plain ones
     excludes: str = KV_EXCLUDES
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,6 +69,7 @@ class MemorySummary:
             (f"KV estimate, {html.escape(self.kv_scope)}", mib(self.kv_bytes)),
             ("context", f"{self.context} tokens, {self.kv_cache_type}"),
             ("flash attention (requested)", html.escape(self.flash_attention)),
+            ("CPU extra buffers (AMX/repack)", html.escape(self.cpu_extra_buffers)),
             ("live contexts", str(self.live_contexts)),
             ("process RSS now / peak", f"{mib(self.rss_bytes)} / {mib(self.peak_rss_bytes)}"),
         ]
@@ -102,4 +104,5 @@ def memory_summary(weights: Any, *, kv_bytes: int, kv_scope: str, contexts: int)
         rss_bytes=rss,
         # The kernel updates its high-water mark lazily; the peak is at least the current RSS.
         peak_rss_bytes=max(peak_rss_bytes(), rss),
+        cpu_extra_buffers=weights.summary.cpu_extra_buffers,
     )

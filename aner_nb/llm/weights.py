@@ -28,6 +28,8 @@ class LoadSummary:
     load_duration: int  # llama_model_load_from_file
     verify_duration: int  # second pass, after the weights are resident
     total_duration: int
+    cpu_extra_buffers: str = "off"  # "on" when quantized weights went to AMX/repack buffer types
+    cpu_extra_buffers_reason: str = ""  # the setting, or the CPU probe's verdict
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

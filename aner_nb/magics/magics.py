@@ -108,7 +108,7 @@ class LLMMagics(Magics):
         name = check_name(args.name, "%llm load")
         kwargs = {
             key: getattr(args, key)
-            for key in ("context", "device", "kv_cache_type", "flash_attention", "chat_template")
+            for key in ("context", "device", "kv_cache_type", "flash_attention", "chat_template", "cpu_extra_buffers")
             if getattr(args, key) is not None
         }
         previous = self.ns.get(name)

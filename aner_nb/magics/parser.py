@@ -20,7 +20,7 @@ from IPython.core.error import UsageError
 from IPython.utils.process import arg_split
 
 from ..llm import KV_CACHE_TYPES
-from ..llm.profiles import FLASH_ATTENTION
+from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION
 
 __all__ = [
     "HelpShown",
@@ -76,9 +76,10 @@ def _int(text: str) -> int:
 _DOC: dict[str, tuple[str, str, str]] = {
     "load": (
         "%llm load PATH --as NAME [--context N] [--device D] [--kv-cache-type T] "
-        "[--flash-attention P] [--chat-template T]",
+        "[--flash-attention P] [--chat-template T] [--cpu-extra-buffers B]",
         "Admit, hash and load a GGUF model; re-running with the same NAME closes the previous NAME first.",
-        "NAME = llm.load(PATH, context=N, device=D, kv_cache_type=T, flash_attention=P, chat_template=T)",
+        "NAME = llm.load(PATH, context=N, device=D, kv_cache_type=T, flash_attention=P, chat_template=T, "
+        "cpu_extra_buffers=B)",
     ),
     "optimize": (
         "%llm optimize SRC --as NAME [--threads N] [--prefill-threads N] [--batch-tokens N] "
@@ -202,6 +203,8 @@ def subcommand_parser(sub: str) -> argparse.ArgumentParser:
         p.add_argument("--kv-cache-type", choices=KV_CACHE_TYPES, help="KV cache type (default f16)")
         p.add_argument("--flash-attention", choices=FLASH_ATTENTION, help="flash attention (default auto)")
         p.add_argument("--chat-template", metavar="T", help="a built-in template name (e.g. gemma) or a Jinja string")
+        p.add_argument("--cpu-extra-buffers", choices=CPU_EXTRA_BUFFERS,
+                       help="AMX/repack weight buffers (default auto: probed once per CPU and build)")
     elif sub == "optimize":
         p.add_argument("src", metavar="SRC", help="the source handle")
         _add_as(p)
