@@ -134,3 +134,22 @@ def test_report_fails_fast_naming_the_cell_and_signal_when_the_kernel_dies(tmp_p
     assert "SIGILL" in message and "cell 2" in message and "import os, signal" in message
     assert main(["report", "--notebook", str(source), "--output-dir", str(tmp_path / "r2")]) == 1
     assert "SIGILL" in capsys.readouterr().err
+
+
+# nbval matches a whole comment line against these names (nbval/plugin.py, comment_markers).
+NBVAL_MARKERS = {"NBVAL_IGNORE_OUTPUT", "NBVAL_CHECK_OUTPUT", "NBVAL_RAISES_EXCEPTION", "NBVAL_SKIP"}
+
+
+@pytest.mark.parametrize("name", TUTORIALS)
+def test_every_nbval_marker_is_one_nbval_recognises(name):
+    """`# NBVAL_IGNORE_OUTPUT: reason` is silently not a marker: the output would be compared."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        for line in cell.source.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#") and "NBVAL" in stripped.upper():
+                comment = stripped.lstrip("#").strip()
+                assert comment in NBVAL_MARKERS, f"{name} cell {i}: {stripped!r} is not a marker nbval recognises"
+        assert "NBVAL_SKIP" not in cell.source, f"{name} cell {i}: skipped cells test nothing"

@@ -73,13 +73,18 @@ def format_comparison(result: dict) -> str:
 
 
 def environment() -> dict[str, str]:
-    """What a result was measured on (recorded next to every figure)."""
+    """What a result was measured on (recorded next to every figure), with the build's CPU features."""
     from importlib.metadata import version
+
+    from ..llm import _engine, cpu_guard
 
     return {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or "unknown",
+        "cpu": cpu_guard.cpu_signature()[1],
         "llama_cpp_python": version("llama-cpp-python"),
+        # llama.cpp's own list of the instruction sets this build compiled in (not the CPU's).
+        "system_info": _engine.system_info() if _engine.native_available() else "unavailable",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

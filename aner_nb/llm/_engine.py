@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import EngineError, NativeUnavailableError
+from .errors import ConfigurationError, EngineError, NativeUnavailableError
 
 __all__ = [
     "native_available",
@@ -135,12 +135,26 @@ def pairs_batch_columns(weight_type: str | None, info: str | None = None) -> boo
     return {"AVX2", "LLAMAFILE"} <= on and not any(flag.startswith("AVX512") for flag in on)
 
 
+THREADS_ENV = "ANER_NB_THREADS"
+
+
 def default_threads() -> tuple[int, int]:
-    """The engine default used when a profile says ``threads=0``.
+    """The engine default used when a profile says ``threads=0``: ``(decode, prefill)``.
 
     Same rule as llama-cpp-python's ``Llama``: half the logical CPUs for
     single-token decode (memory bound), all of them for prompt batches.
+    ``$ANER_NB_THREADS`` (``N`` or ``DECODE,PREFILL``) replaces the rule, e.g.
+    to re-run a notebook at another thread count.
     """
+    override = os.environ.get(THREADS_ENV, "").strip()
+    if override:
+        parts = override.split(",")
+        if len(parts) in (1, 2) and all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
+            values = [int(p) for p in parts]
+            return values[0], values[-1]
+        raise ConfigurationError(
+            f"${THREADS_ENV} must be N or DECODE,PREFILL with integers 1..1024, got {override!r}"
+        )
     cpus = os.cpu_count() or 1
     return max(cpus // 2, 1), cpus
 

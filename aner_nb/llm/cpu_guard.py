@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from .cache import cache_dir
 from .errors import ConfigurationError, UnsupportedCPUError
 from .probe_model import PROBE_MODEL_VERSION, write_probe_model
-from .profiles import CPU_EXTRA_BUFFERS
+from .profiles import CPU_EXTRA_BUFFERS, choice_or_env
 
 __all__ = [
     "ENV_VAR",
@@ -48,7 +48,6 @@ __all__ = [
     "verdict_path",
     "probe_command",
     "run_probe_child",
-    "requested_setting",
     "resolve_extra_buffers",
 ]
 
@@ -230,16 +229,6 @@ def _write_verdict(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def requested_setting(setting: str | None) -> str:
-    """``setting``, else ``$ANER_NB_CPU_EXTRA_BUFFERS`` (checked), else ``"auto"``."""
-    if setting is not None:
-        return setting  # LoadSettings checks it
-    value = os.environ.get(ENV_VAR) or "auto"
-    if value not in CPU_EXTRA_BUFFERS:
-        raise ConfigurationError(f"${ENV_VAR} must be one of {', '.join(CPU_EXTRA_BUFFERS)}, got {value!r}")
-    return value
-
-
 def resolve_extra_buffers(
     setting: str | None = None, *, runner: Callable[[bool, Path], ProbeOutcome] = run_probe_child
 ) -> ExtraBuffers:
@@ -248,7 +237,7 @@ def resolve_extra_buffers(
     Raises :class:`UnsupportedCPUError` when the build cannot run on this CPU
     at all, instead of letting this process die.
     """
-    value = requested_setting(setting)
+    value = choice_or_env(setting, ENV_VAR, CPU_EXTRA_BUFFERS, "auto")
     if value not in CPU_EXTRA_BUFFERS:
         raise ConfigurationError(f"cpu_extra_buffers must be one of {', '.join(CPU_EXTRA_BUFFERS)}, got {value!r}")
     if value != "auto":

@@ -20,10 +20,12 @@ from .artifact import inspect_model, sha256_file
 from .chat import resolve_template
 from .errors import ArtifactChangedError, ConfigurationError, DeviceUnavailableError
 from .lease import LLMModel
-from .profiles import LoadSettings, parse_device
+from .profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, LoadSettings, choice_or_env, parse_device
 from .weights import LoadSummary, SharedWeights
 
-__all__ = ["load", "resolve_device", "native_available"]
+__all__ = ["load", "resolve_device", "native_available", "FLASH_ATTENTION_ENV"]
+
+FLASH_ATTENTION_ENV = "ANER_NB_FLASH_ATTENTION"  # the default of load(flash_attention=...)
 
 native_available = _engine.native_available
 
@@ -56,7 +58,7 @@ def load(
     context: int = 4096,
     device: str = "auto",
     kv_cache_type: str = "f16",
-    flash_attention: str = "auto",
+    flash_attention: str | None = None,
     chat_template: str | None = None,
     cpu_extra_buffers: str | None = None,
     progress: bool | None = None,
@@ -66,14 +68,16 @@ def load(
     ``cpu_extra_buffers`` (``auto``/``on``/``off``; default ``$ANER_NB_CPU_EXTRA_BUFFERS``
     or ``auto``) decides whether quantized weights may use llama.cpp's AMX/repack
     buffer types; ``auto`` trusts them only after a probe child survived them
-    (see ``cpu_guard``). ``progress`` shows a tqdm bar for the hash passes
+    (see ``cpu_guard``). ``flash_attention`` defaults to ``$ANER_NB_FLASH_ATTENTION``
+    or ``auto``. ``progress`` shows a tqdm bar for the hash passes
     (``None``: on a terminal only).
     """
     t_start = time.perf_counter_ns()
     settings = LoadSettings(
         context=context, device=device, kv_cache_type=kv_cache_type,
-        flash_attention=flash_attention, chat_template=chat_template,
-        cpu_extra_buffers=cpu_guard.requested_setting(cpu_extra_buffers),
+        flash_attention=choice_or_env(flash_attention, FLASH_ATTENTION_ENV, FLASH_ATTENTION, "auto"),
+        chat_template=chat_template,
+        cpu_extra_buffers=choice_or_env(cpu_extra_buffers, cpu_guard.ENV_VAR, CPU_EXTRA_BUFFERS, "auto"),
     )
     facts = inspect_model(path)
     if settings.context > facts.context_length:

@@ -8,6 +8,7 @@ immutable, so a lease's profile can be shared and compared safely.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "DEVICES",
     "FLASH_ATTENTION",
     "CPU_EXTRA_BUFFERS",
+    "choice_or_env",
     "LoadSettings",
     "OptimizerSettings",
     "Profile",
@@ -36,6 +38,16 @@ MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
 FLASH_ATTENTION = ("auto", "on", "off")
 CPU_EXTRA_BUFFERS = ("auto", "on", "off")
+
+
+def choice_or_env(value: str | None, env: str, allowed: tuple[str, ...], default: str) -> str:
+    """``value`` when given (its setting checks it), else ``$env`` (checked here), else ``default``."""
+    if value is not None:
+        return value
+    from_env = os.environ.get(env) or default
+    if from_env not in allowed:
+        raise ConfigurationError(f"${env} must be one of {', '.join(allowed)}, got {from_env!r}")
+    return from_env
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "metal", "mps")
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
