@@ -141,8 +141,9 @@ THREADS_ENV = "ANER_NB_THREADS"
 def default_threads() -> tuple[int, int]:
     """The engine default used when a profile says ``threads=0``: ``(decode, prefill)``.
 
-    Same rule as llama-cpp-python's ``Llama``: half the logical CPUs for
-    single-token decode (memory bound), all of them for prompt batches.
+    llama.cpp's own tools' rule: physical cores for one-token decode (a
+    second hyperthread on a core adds nothing to a memory-bound matrix-vector
+    product), logical CPUs for multi-token batches (``n_threads_batch``).
     ``$ANER_NB_THREADS`` (``N`` or ``DECODE,PREFILL``) replaces the rule, e.g.
     to re-run a notebook at another thread count.
     """
@@ -155,8 +156,11 @@ def default_threads() -> tuple[int, int]:
         raise ConfigurationError(
             f"${THREADS_ENV} must be N or DECODE,PREFILL with integers 1..1024, got {override!r}"
         )
-    cpus = os.cpu_count() or 1
-    return max(cpus // 2, 1), cpus
+    import psutil  # noqa: PLC0415 - only this rule needs it
+
+    logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    return max(min(physical, logical), 1), logical
 
 
 _KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}

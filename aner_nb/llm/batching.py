@@ -10,8 +10,9 @@ the shared batch. Up to ``queue_limit`` (8) requests wait for a free
 sequence; beyond that a call fails at once with ``BusyError``.
 
 Timings of a batched response: ``queue_duration`` runs from submission to
-admission (a sequence id became free); ``prompt_eval_duration`` and
-``first_token_duration`` run from admission; ``batch_max_sequences`` is
+admission (a sequence id became free); ``prompt_eval_duration`` runs from
+admission, ``first_token_duration`` and ``total_duration`` from submission (so
+they include the queue); ``batch_max_sequences`` is
 ``max_sequences``, ``batch_peak_sequences`` the most sequences that shared a
 step with the request, ``scheduler_steps`` the steps (``llama_decode``
 calls) it took part in and ``batch_decoded_tokens`` the rows those steps

@@ -24,9 +24,10 @@ class Timings:
     """Where the time of one request went, and what the engine did.
 
     Durations are nanoseconds from a monotonic clock. ``first_token_duration``
-    runs from the start of work on the request (after queueing) until the first
-    token was sampled; ``decode_duration`` from that first token to the last
-    sampled token. Flags such as ``prefix_cache_hit`` are 0/1, or -1 where the
+    and ``total_duration`` run from the call, so time spent waiting in a queue
+    is included (``queue_duration`` reports it alone); ``decode_duration`` runs
+    from the first sampled token to the last one, and is -1 when only one token
+    was sampled (nothing was decoded after the first). Flags such as ``prefix_cache_hit`` are 0/1, or -1 where the
     profile has no such feature.
     """
 

@@ -81,8 +81,10 @@ class SequenceOutput:
         m["generated_tokens"] += 1
         if self.t_first == NOT_MEASURED:
             self.t_first = now
-            m["first_token_duration"] = now - self.t_work
-        m["decode_duration"] = now - self.t_first
+            # From the call, so waiting in a queue counts (queue_duration still says how much).
+            m["first_token_duration"] = now - self.job.t_call
+        else:  # a one-token answer had no timed decode: decode_duration stays -1
+            m["decode_duration"] = now - self.t_first
         assert self.model is not None
         if self.model.is_eog(token):
             return self._stop("stop")
@@ -116,7 +118,7 @@ class SequenceOutput:
             finish_reason=reason or self.reason,
             usage=Usage(
                 prompt_tokens=len(job.prompt_tokens),
-                cached_input_tokens=max(job.timings.get("cached_input_tokens", 0), 0),
+                cached_input_tokens=job.timings.get("cached_input_tokens", NOT_MEASURED),
                 completion_tokens=len(self.tokens),
             ),
             timings=Timings(**values),
@@ -130,6 +132,7 @@ def validate_only(job: Job) -> Generator[str, None, Response]:
     """``max_tokens=0``: the request was validated; nothing touches a context or the KV."""
     out = SequenceOutput(None, job)
     out.measured["evaluated_prompt_tokens"] = 0
+    job.timings["cached_input_tokens"] = 0  # exactly none: no context was acquired
     return out.response("length")
     yield  # pragma: no cover - makes this a generator like run_request
 
