@@ -110,7 +110,7 @@ def main() -> None:
         if not same_on:
             a = f[f.side == "off"].tokens.iloc[0]
             b = on.tokens.iloc[0]
-            print(f"  divergence: {bench.divergence(model, cases[0].prompt, a, b)}")
+            print(f"  divergence: {bench.divergence(model, cases[0].prompt, a, b, shape=bench.BatchShape.verification(n))}")
         report["tasks"][task] = {"speedup_on_off": speedup, "acceptance": acceptance, "same_on": same_on,
                                  "speedup_llama_lookup": llama_speedup, "same_llama_lookup": same_llama_lookup,
                                  "summary": result.summary(("decode_tokens_per_s",)).to_dict("records")}

@@ -49,7 +49,7 @@ def main() -> None:
         a = f[(f.side == "uncached") & (f.case == case)].tokens.iloc[0]
         b = f[(f.side == "cached") & (f.case == case)].tokens.iloc[0]
         prompt = next(c.prompt for c in cases if c.name == case)
-        print(f"  {case}: {bench.divergence(model, prompt, a, b)}")
+        print(f"  {case}: {bench.divergence(model, prompt, a, b, shape=bench.BatchShape.prefill())}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"),

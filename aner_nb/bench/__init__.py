@@ -1,6 +1,6 @@
 """Paired benchmarks: ABBA rounds, medians with min/max, ratios against a baseline, manifests."""
 
-from ..llm.diagnostics import Divergence, first_divergence as divergence
+from ..llm.diagnostics import BatchShape, Divergence, first_divergence as divergence, is_near_tie
 from .harness import BenchResult, Case, Side, lease_side, manifest, response_row, run_sides
 from .paired import Series, abba, compare, environment, format_comparison
 
@@ -14,6 +14,8 @@ __all__ = [
     "manifest",
     "divergence",
     "Divergence",
+    "BatchShape",
+    "is_near_tie",
     "Series",
     "abba",
     "compare",

@@ -1,20 +1,23 @@
-"""Why two greedy outputs differ: replay plain greedy decoding and look at the logits.
+"""Why two greedy outputs differ: replay plain greedy decoding and judge the emitted tokens.
 
 Batch shape changes the order of floating-point sums, so a prefix-cached,
 speculative or batched request can flip a near-tied greedy choice relative
-to plain decoding. ``first_divergence`` replays plain greedy decoding (prompt
-in one prefill, then one token per decode call, as an ordinary lease does)
-along the common prefix of two outputs and reports the top-2 logit gap at the
-first position where they differ. To judge the gap it also evaluates the same
-tokens with a different batch shape (prompt and prefix in one prefill) and
-measures how far the logits move: a flip between the top two tokens needs a
-relative shift of at least ``gap``, and two logits can shift apart by up to
-twice the largest movement, so ``near_tie`` means ``gap <= 2 * perturbation``.
+to plain decoding. ``first_divergence`` replays plain greedy decoding of
+output ``a`` (prompt in one prefill, then one token per decode call, as an
+ordinary lease does) up to the first position where ``b`` differs, and reads
+the logits of the two *emitted* tokens there. It then evaluates the same
+tokens in the batch shape side ``b`` used (:class:`BatchShape`: one prefill,
+a verification batch, or a multi-sequence step) and measures how far the
+logits move. Two logits can shift apart by at most twice the largest
+movement, so a flip from ``token_a`` to ``token_b`` is explained by the
+batch shape only if ``logit(token_a) - logit(token_b) <= 2 * perturbation``:
+that is ``near_tie``. A token that plain decoding ranks far below is not a
+near tie, however close the top two happen to be.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -24,22 +27,68 @@ from .errors import EngineError
 from .lease import LLMModel, _as_messages, context_params
 from .runner import prefill
 
-__all__ = ["Divergence", "first_divergence"]
+__all__ = ["BatchShape", "Divergence", "first_divergence", "is_near_tie"]
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How side ``b`` evaluated the token whose logits chose the differing token.
+
+    - ``prefill``: prompt and output so far in prefill chunks (a prefix-cached
+      or otherwise re-evaluated prompt).
+    - ``verification``: a prompt-lookup step of ``size`` rows (the pending
+      token plus ``size - 1`` proposals); the deciding row may be any of them,
+      so every offset is measured and the largest movement kept.
+    - ``sequences``: a continuous-batching step with ``size`` sequences, one
+      logits row each; every row index is measured.
+    """
+
+    kind: str
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefill", "verification", "sequences"):
+            raise ValueError(f"BatchShape kind must be prefill, verification or sequences, got {self.kind!r}")
+        if not 1 <= self.size <= 64:
+            raise ValueError(f"BatchShape size must be 1..64, got {self.size}")
+
+    def check_fits(self, batch_tokens: int) -> None:
+        if self.size > batch_tokens:
+            raise ValueError(f"BatchShape size {self.size} exceeds the lease's batch_tokens={batch_tokens}")
+
+    @classmethod
+    def prefill(cls) -> "BatchShape":
+        return cls("prefill")
+
+    @classmethod
+    def verification(cls, speculative_tokens: int) -> "BatchShape":
+        return cls("verification", speculative_tokens + 1)
+
+    @classmethod
+    def sequences(cls, max_sequences: int) -> "BatchShape":
+        return cls("sequences", max_sequences)
+
+
+def is_near_tie(logit_a: float, logit_b: float, perturbation: float) -> bool:
+    """The rule: plain decoding prefers ``token_a`` by at most twice the measured movement."""
+    return logit_a - logit_b <= 2 * perturbation
 
 
 @dataclass(frozen=True)
 class Divergence:
-    """First differing position of outputs ``a`` and ``b`` and the logits there (None if equal)."""
+    """First differing position of outputs ``a`` (plain greedy) and ``b``, judged (None if equal)."""
 
     position: int | None
     token_a: int | None = None
-    token_b: int | None = None
-    logit_a: float | None = None
+    token_b: int | None = None  # the model's end-of-generation token when ``b`` stopped here
+    logit_a: float | None = None  # in the plain replay
     logit_b: float | None = None
+    rank_b: int | None = None  # 1 = plain decoding's first choice
+    gap: float | None = None  # logit_a - logit_b
     top1: int | None = None
     top2: int | None = None
-    gap: float | None = None  # logit(top1) - logit(top2) in the plain replay
-    perturbation: float | None = None  # max |logit change| when the same tokens are batched differently
+    perturbation: float | None = None  # max |logit change| in the shape ``b`` used
+    shape: str | None = None
     near_tie: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -51,64 +100,162 @@ def first_divergence(
     prompt: "str | Sequence[Mapping[str, Any]]",
     a: Sequence[int],
     b: Sequence[int],
+    *,
+    shape: BatchShape,
 ) -> Divergence:
-    """Replay plain greedy decoding of ``prompt`` along ``a`` up to where ``a`` and ``b`` differ."""
+    """Judge where ``b`` first leaves ``a`` (plain greedy output of ``prompt`` on ``model``)."""
     a, b = list(a), list(b)
     n = min(len(a), len(b))
     position = next((i for i in range(n) if a[i] != b[i]), None)
     if position is None:
         if len(a) == len(b):
-            return Divergence(None)
+            return Divergence(None, shape=shape.kind)
         position = n  # one output stopped earlier (end of generation or a stop string)
+    eos = model._weights.native.eos
+    token_a = a[position] if position < len(a) else eos
+    token_b = b[position] if position < len(b) else eos
     prompt_tokens = model.prompt_tokens(_as_messages(prompt))
-    plain = _logits_after(model, prompt_tokens, a[:position], one_batch=False)
-    batched = _logits_after(model, prompt_tokens, a[:position], one_batch=True)
-    perturbation = float(np.max(np.abs(plain - batched)))
-    logits = plain
-    order = np.argsort(logits)[::-1][:2]
-    top1, top2 = int(order[0]), int(order[1])
-    gap = float(logits[top1] - logits[top2])
-    token_a = a[position] if position < len(a) else None
-    token_b = b[position] if position < len(b) else None
+    plain, perturbation = _measure(model, prompt_tokens, a[:position], shape)
+    order = np.argsort(plain)[::-1]
+    logit_a, logit_b = float(plain[token_a]), float(plain[token_b])
     return Divergence(
         position=position,
         token_a=token_a,
         token_b=token_b,
-        logit_a=None if token_a is None else float(logits[token_a]),
-        logit_b=None if token_b is None else float(logits[token_b]),
-        top1=top1,
-        top2=top2,
-        gap=gap,
+        logit_a=logit_a,
+        logit_b=logit_b,
+        rank_b=int(np.count_nonzero(plain > plain[token_b])) + 1,
+        gap=logit_a - logit_b,
+        top1=int(order[0]),
+        top2=int(order[1]),
         perturbation=perturbation,
-        near_tie=gap <= 2 * perturbation,
+        shape=f"{shape.kind}({shape.size})",
+        near_tie=is_near_tie(logit_a, logit_b, perturbation),
     )
 
 
-def _logits_after(model: LLMModel, prompt: Sequence[int], continuation: Sequence[int], *, one_batch: bool) -> np.ndarray:
-    """Logits after ``prompt + continuation`` on a fresh context of the model's ordinary shape.
-
-    ``one_batch=False`` replays plain decoding: the prompt in prefill chunks,
-    then one token per decode call. ``one_batch=True`` evaluates everything
-    as one prefill, the shape a cached or verified request would use.
-    """
+def _measure(
+    model: LLMModel, prompt: Sequence[int], continuation: Sequence[int], shape: BatchShape
+) -> tuple[np.ndarray, float]:
+    """Plain-replay logits after ``prompt + continuation`` and the largest movement under ``shape``."""
     weights = model._weights
-    params = context_params(weights, model.profile)
-    ctx = NativeContext(weights.native, params)
-    batch = Batch(params.n_batch)
-    try:
-        tokens = list(prompt) + list(continuation) if one_batch else list(prompt)
-        prefill(ctx, batch, tokens, 0, 0)
-        row = batch.n_tokens - 1
-        if not one_batch:
-            pos = len(prompt)
-            for token in continuation:
+    ordinary = context_params(weights, model.profile)
+    shape.check_fits(ordinary.n_batch)
+    plain = _in_context(weights, ordinary, 1, lambda ctx, batch: _plain_replay(ctx, batch, prompt, continuation))
+    tokens = list(prompt) + list(continuation)
+    if shape.kind == "prefill":
+        # A latency-profile context (full SWA cache), the prompt and output so far as prefill chunks.
+        def measure(ctx: NativeContext, batch: Batch) -> float:
+            prefill(ctx, batch, tokens, 0, 0)
+            return _movement(plain, ctx.logits(batch.n_tokens - 1))
+
+        return plain, _in_context(weights, replace(ordinary, swa_full=True), 1, measure)
+    if shape.kind == "verification":
+        # The deciding row ``row`` of a step that started ``row`` tokens earlier; the rows after it
+        # hold proposals (their values do not matter for the shape: the last token stands in).
+        def measure(ctx: NativeContext, batch: Batch) -> float:
+            _plain_replay(ctx, batch, prompt, continuation)
+            moved, end = 0.0, len(tokens)
+            for row in range(min(shape.size, len(continuation))):
+                start = end - 1 - row
+                if not ctx.seq_rm(0, start, -1):
+                    raise EngineError(f"could not remove positions {start}.. while measuring")
                 batch.clear()
-                row = batch.add(token, pos, 0, logits=True)
-                if ctx.decode(batch) == DECODE_NO_KV_SLOT:
-                    raise EngineError("no KV slot while replaying")
-                pos += 1
-        return np.array(ctx.logits(row), copy=True)
+                window = tokens[start:end] + tokens[-1:] * (shape.size - row - 1)
+                for i, token in enumerate(window):
+                    batch.add(token, start + i, 0, logits=True)
+                _decode(ctx, batch)
+                moved = max(moved, _movement(plain, ctx.logits(row)))
+            return moved
+
+        return plain, _in_context(weights, replace(ordinary, swa_full=True), shape.size, measure)
+
+    # sequences: the batching lease's context (one KV stream per sequence). The whole history of
+    # the judged sequence is replayed as a batched request sees it: its prompt prefilled in the
+    # same llama_decode as the other sequences' prompts, then every token in a step that carries
+    # one row of each other sequence. Measured with the judged rows first and last in each batch.
+    def measure(ctx: NativeContext, batch: Batch, first: bool) -> float:
+        others = list(range(1, shape.size))
+        filler = list(prompt)[: max(1, min(len(prompt), (batch.capacity - len(prompt)) // max(len(others), 1)))]
+        rows = _batched_replay(ctx, batch, prompt, continuation, others, filler, first)
+        return _movement(plain, ctx.logits(rows))
+
+    params = replace(ordinary, n_seq_max=shape.size, kv_unified=False)
+    return plain, max(
+        _in_context(weights, params, shape.size, lambda ctx, batch, f=f: measure(ctx, batch, f)) for f in (True, False)
+    )
+
+
+def _batched_replay(
+    ctx: NativeContext, batch: Batch, prompt: Sequence[int], continuation: Sequence[int],
+    others: Sequence[int], filler: Sequence[int], first: bool,
+) -> int:
+    """Sequence 0 sharing every llama_decode with ``others``; returns the batch row of its last logits."""
+    pending = {seq: list(filler) for seq in others}
+    pos = {seq: 0 for seq in others}
+    row = -1
+    for lo in range(0, len(prompt), batch.capacity):  # prompt chunks, the others' prompts alongside
+        chunk = list(prompt)[lo : lo + batch.capacity]
+        last_chunk = lo + batch.capacity >= len(prompt)
+        batch.clear()
+        if not first:
+            _add_others(batch, pending, pos, batch.capacity - len(chunk))
+        row = batch.add_run(chunk, lo, 0, logits_last=last_chunk)
+        if first:
+            _add_others(batch, pending, pos, batch.capacity - batch.n_tokens)
+        _decode(ctx, batch)
+    at = len(prompt)
+    for token in continuation:
+        batch.clear()
+        if not first:
+            _add_others(batch, pending, pos, len(others), one_each=True)
+        row = batch.add(token, at, 0, logits=True)
+        if first:
+            _add_others(batch, pending, pos, len(others), one_each=True)
+        _decode(ctx, batch)
+        at += 1
+    return row
+
+
+def _add_others(batch: Batch, pending: dict, pos: dict, room: int, *, one_each: bool = False) -> None:
+    """The other sequences' rows: the rest of their prompts, or one decode row each (with logits)."""
+    for seq, tokens in pending.items():
+        take = 1 if one_each else min(len(tokens), room // max(len(pending), 1))
+        for _ in range(take):
+            token = tokens.pop(0) if tokens else 0
+            batch.add(token, pos[seq], seq, logits=one_each)
+            pos[seq] += 1
+
+
+def _in_context(weights: Any, params: Any, n_seq: int, work: Any) -> Any:
+    """Run ``work(ctx, batch)`` on a fresh context with ``params``; always frees both."""
+    ctx = NativeContext(weights.native, params)
+    # The lease's own chunk size, so the plain replay prefills exactly as the lease does.
+    batch = Batch(params.n_batch, n_seq)
+    try:
+        return work(ctx, batch)
     finally:
         ctx.free()
         batch.free()
 
+
+def _plain_replay(ctx: NativeContext, batch: Batch, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+    """The prompt in prefill chunks, then one token per decode call: an ordinary lease's shape."""
+    prefill(ctx, batch, list(prompt), 0, 0)
+    row = batch.n_tokens - 1
+    pos = len(prompt)
+    for token in continuation:
+        batch.clear()
+        row = batch.add(token, pos, 0, logits=True)
+        _decode(ctx, batch)
+        pos += 1
+    return np.array(ctx.logits(row), copy=True)
+
+
+def _decode(ctx: NativeContext, batch: Batch) -> None:
+    if ctx.decode(batch) == DECODE_NO_KV_SLOT:
+        raise EngineError("no KV slot while replaying")
+
+
+def _movement(plain: np.ndarray, other: np.ndarray) -> float:
+    return float(np.max(np.abs(plain - np.asarray(other))))
