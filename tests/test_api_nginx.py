@@ -158,10 +158,19 @@ def test_requests_spread_over_replicas_and_fail_over(replicas, gateway):
             served = re.search(r'aner_http_requests_total\{route="/chat",code="200"\} (\d+)', text)
             assert served and int(served.group(1)) == used.count(str(port))
 
+        # SSE passes the gateway unbuffered: the events arrive in several reads while the answer is
+        # being generated, not as one body at the end (what proxy buffering would deliver).
+        reads = []
         with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                  "max_tokens": 4, "stream": True}) as s:
-            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert lines[-1] == "data: [DONE]" and len(lines) >= 4  # SSE passes the gateway unbuffered
+                                                                  "max_tokens": 8, "stream": True}) as s:
+            for raw in s.iter_raw():
+                if raw:
+                    reads.append((time.monotonic(), raw))
+        body = b"".join(raw for _, raw in reads).decode()
+        lines = [line for line in body.splitlines() if line.startswith("data: ")]
+        assert lines and lines[-1] == "data: [DONE]" and len(lines) >= 4, body[:300]
+        first_event = next(t for t, raw in reads if b"data: " in raw)
+        assert len(reads) >= 3 and reads[-1][0] > first_event
 
         down_proc, down_port = replicas[0]
         assert stop(down_proc) == 0  # SIGTERM: the replica shuts down cleanly

@@ -42,6 +42,43 @@ def test_run_sides_collects_rows_manifest_and_ratios(model):
     assert m["model"]["fingerprint"] == model.fingerprint and m["purpose"] == "test"
     assert m["model"]["profile"]["optimizer"]["prefix_cache_entries"] == 1
     assert m["packages"]["llama-cpp-python"] == "0.3.36"
+    # the seed's measured-evidence rules: resolved engine settings, machine, build, order, load
+    from aner_nb.llm._engine import default_threads
+
+    assert (m["model"]["n_threads"], m["model"]["n_threads_batch"]) == default_threads()
+    assert m["model"]["n_batch"] == 512 and m["model"]["context"] == 256
+    assert m["model"]["flash_attention"] in ("auto", "on", "off") and m["model"]["kv_cache_type"] == "f16"
+    assert "CPU :" in m["system_info"] and m["cpu_count_logical"] >= 1 and m["cpu"]
+    assert m["rounds"] == 2 and m["warmup"] == 1 and m["order"] == "ABBA"
+    assert len(m["load_average_start"]) == 3 and len(m["load_average_end"]) == 3
+    assert "git_revision" in m
+
+
+def test_one_benchmark_at_a_time(model, tmp_path, monkeypatch):
+    """A second benchmark refuses to start while another process holds the lock; re-entrant here."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("ANER_NB_CACHE", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom aner_nb.bench import exclusive\n"
+         "with exclusive('other benchmark'):\n    print('held', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        side = bench.lease_side("plain", model)
+        with pytest.raises(bench.BenchmarkBusyError, match=f"other benchmark, pid {holder.pid}"):
+            bench.run_sides([side], [bench.Case("q", "hi", 2)], rounds=1, warmup=0)
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    with bench.exclusive("outer"):  # free again; run_sides inside a held lock re-enters it
+        result = bench.run_sides([bench.lease_side("plain", model)], [bench.Case("q", "hi", 2)], rounds=1, warmup=0)
+    assert len(result.frame) == 1
 
 
 def test_divergence_of_identical_outputs_is_none(model):

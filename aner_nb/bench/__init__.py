@@ -2,7 +2,8 @@
 
 from ..llm.diagnostics import BatchShape, Divergence, first_divergence as divergence, is_near_tie
 from .harness import BenchResult, Case, Side, lease_side, manifest, response_row, run_sides
-from .paired import Series, abba, compare, environment, format_comparison
+from .evidence import BenchmarkBusyError, environment, exclusive, lease_settings
+from .paired import Series, abba, compare, format_comparison
 
 __all__ = [
     "Case",
@@ -20,5 +21,8 @@ __all__ = [
     "abba",
     "compare",
     "environment",
+    "exclusive",
+    "lease_settings",
+    "BenchmarkBusyError",
     "format_comparison",
 ]

@@ -11,14 +11,12 @@ summarises medians with min/max and ratios against a baseline side.
 
 from __future__ import annotations
 
-import dataclasses
-import platform
-import time
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
+
+from .evidence import environment, exclusive, lease_settings, load_average
 
 __all__ = ["Case", "Side", "BenchResult", "lease_side", "run_sides", "manifest", "METRICS"]
 
@@ -87,30 +85,16 @@ def lease_side(name: str, lease: Any) -> Side:
     return Side(name, run)
 
 
-def _package_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def manifest(model: Any = None, **extra: Any) -> dict[str, Any]:
-    """What a result was measured with: packages, machine, model fingerprint, device, profile."""
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "packages": {p: _package_version(p) for p in ("aner-nb", "llama-cpp-python", "numpy", "gguf")},
-    }
+    """What a result was measured with: machine, build, packages, model fingerprint and resolved settings."""
+    out: dict[str, Any] = environment()
     if model is not None:
-        profile = getattr(model, "profile", None)
         out["model"] = {
             "name": model.name,
             "fingerprint": model.fingerprint,
             "architecture": model.architecture,
             "device": model.device,
-            "context": model.context,
-            "profile": dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else repr(profile),
+            **lease_settings(model),
         }
     out.update(extra)
     return out
@@ -167,11 +151,15 @@ def run_sides(
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds}, {warmup}")
     rows = []
-    for r in range(warmup + rounds):
-        order = list(sides) if r % 2 == 0 else list(reversed(sides))
-        for case in cases:
-            for side in order:
-                row = dict(side.run(case))
-                if r >= warmup:
-                    rows.append({"side": side.name, "round": r - warmup, "case": case.name, **row})
-    return BenchResult(pd.DataFrame(rows), dict(manifest_ or {}), baseline or sides[0].name)
+    with exclusive("bench.run_sides"):
+        load_start = load_average()
+        for r in range(warmup + rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for case in cases:
+                for side in order:
+                    row = dict(side.run(case))
+                    if r >= warmup:
+                        rows.append({"side": side.name, "round": r - warmup, "case": case.name, **row})
+        facts = {"rounds": rounds, "warmup": warmup, "order": "ABBA", "load_average_start": load_start,
+                 "load_average_end": load_average()}
+    return BenchResult(pd.DataFrame(rows), {**dict(manifest_ or {}), **facts}, baseline or sides[0].name)

@@ -7,13 +7,11 @@ medians measured in the same run.
 
 from __future__ import annotations
 
-import platform
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Series", "abba", "compare", "environment"]
+__all__ = ["Series", "abba", "compare"]
 
 
 @dataclass
@@ -70,21 +68,3 @@ def format_comparison(result: dict) -> str:
     better = "higher is better" if result["higher_is_better"] else "lower is better"
     lines.append(f"  ratio {result['a']['name']} / {result['b']['name']} (medians): {result['ratio']:.3f} ({better})")
     return "\n".join(lines)
-
-
-def environment() -> dict[str, str]:
-    """What a result was measured on (recorded next to every figure), with the build's CPU features."""
-    from importlib.metadata import version
-
-    from ..llm import _engine, cpu_guard
-
-    return {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or "unknown",
-        "cpu": cpu_guard.cpu_signature()[1],
-        "llama_cpp_python": version("llama-cpp-python"),
-        # llama.cpp's own list of the instruction sets this build compiled in (not the CPU's).
-        "system_info": _engine.system_info() if _engine.native_available() else "unavailable",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }

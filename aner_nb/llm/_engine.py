@@ -382,6 +382,17 @@ class NativeContext(_Owner):
         # First index of the maximum, the same tie-break as llama.cpp's greedy sampler.
         return int(np.argmax(self.logits(i)))
 
+    def engine_settings(self) -> dict[str, int]:
+        """What llama.cpp itself reports for this context (threads, batch sizes, cells)."""
+        lib, ptr = self._lib, self.ptr
+        return {
+            "n_threads": int(lib.llama_n_threads(ptr)),
+            "n_threads_batch": int(lib.llama_n_threads_batch(ptr)),
+            "n_batch": int(lib.llama_n_batch(ptr)),
+            "n_ubatch": int(lib.llama_n_ubatch(ptr)),
+            "n_ctx": int(lib.llama_n_ctx(ptr)),
+        }
+
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         self._lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
 
