@@ -6,8 +6,8 @@ still repeats itself there), and counting, the adversarial low-overlap case
 whose proposals the model keeps rejecting. Four sides, ABBA
 order, one warm-up round dropped:
 
-- ``off``: an ordinary lease (plain greedy decoding);
-- ``on``: ``with_optimizer(speculative_tokens=N)``;
+- ``off``: plain greedy decoding, ``with_optimizer(threads=T, prefill_threads=T)``;
+- ``on``: ``with_optimizer(threads=T, prefill_threads=T, speculative_tokens=N)``;
 - ``llama``: llama-cpp-python's ``Llama.create_completion`` (plain);
 - ``llama+lookup``: the same with ``draft_model=LlamaPromptLookupDecoding(num_pred_tokens=N)``.
 
@@ -17,6 +17,11 @@ end), so compare ``on/off`` with each other and ``llama+lookup/llama`` with
 each other. Targets: ``on/off`` >= 2.0x on the copy-heavy task and >= 0.95x on
 the low-overlap tasks. Outputs are compared with the plain greedy output.
 
+Every side gets the same ``T`` for one-token decodes and for batches
+(llama.cpp runs a verification batch on ``n_threads_batch``; unequal counts
+would hand speculation more threads than the decoding it is compared with).
+``T`` defaults to the logical CPUs; the run holds the benchmark lock.
+
 Run: ``python benchmarks/bench_lookup.py [--rounds 3] [--speculative-tokens 8]``.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import llama_cpp
@@ -54,20 +60,29 @@ def llama_side(name: str, ref: llama_cpp.Llama, model: llm.LLMModel) -> bench.Si
 
 
 def main() -> None:
+    with bench.exclusive("bench_lookup"):
+        run()
+
+
+def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--speculative-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="T for every side (default: logical CPUs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     n = args.speculative_tokens
 
     path = str(demo_model_path())
-    model = llm.load(path, context=1024, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="off")
-    spec = model.with_optimizer(speculative_tokens=n)
+    threads = args.threads or (os.cpu_count() or 1)
+    base = llm.load(path, context=1024, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="off")
+    model = base.with_optimizer(threads=threads, prefill_threads=threads)
+    spec = base.with_optimizer(threads=threads, prefill_threads=threads, speculative_tokens=n)
     probe = model.generate("x", max_tokens=1).timings
-    common = dict(model_path=path, n_ctx=1024, n_batch=512, n_ubatch=128, n_threads=probe.threads,
-                  n_threads_batch=probe.prefill_threads, flash_attn=False, swa_full=False, n_gpu_layers=0, verbose=False)
+    assert (probe.threads, probe.prefill_threads) == (threads, threads)
+    common = dict(model_path=path, n_ctx=1024, n_batch=512, n_ubatch=128, n_threads=threads,
+                  n_threads_batch=threads, flash_attn=False, swa_full=False, n_gpu_layers=0, verbose=False)
     ref = llama_cpp.Llama(**common)
     # llama-cpp-python 0.3.36 sizes its score buffer from the logits_all argument while a draft
     # model switches logits_all on internally: pass it explicitly or prompts > n_batch crash.
@@ -85,7 +100,10 @@ def main() -> None:
         "counting": [bench.Case("count", "Count upward from 1 to 200, separated by commas: 1, 2, 3,", args.max_tokens)],
     }
     report = {"manifest": bench.manifest(spec, benchmark="lookup"), "tasks": {}}
-    print(f"model {model.name} sha256 {model.fingerprint} speculative_tokens={n} threads={probe.threads}")
+    env = report["manifest"]
+    print(f"model {model.name} sha256 {model.fingerprint} speculative_tokens={n} "
+          f"threads={threads} prefill_threads={threads} (every side)")
+    print(f"{env['cpu']}; {env['system_info']}")
     for task, cases in tasks.items():
         result = bench.run_sides(
             [bench.lease_side("off", model), bench.lease_side("on", spec),
@@ -121,6 +139,7 @@ def main() -> None:
         r.close()
     spec.close()
     model.close()
+    base.close()
 
 
 if __name__ == "__main__":
