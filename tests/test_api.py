@@ -510,7 +510,8 @@ def test_cli_serves_with_an_api_key_from_the_environment(llama_path):
     env = {**os.environ, "ANER_TEST_KEY": TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-m", "aner_nb", "serve", str(llama_path), "--port", "0", "--context", "512",
-         "--max-sequences", "2", "--max-tokens", "8", "--threads", "1", "--api-key-env", "ANER_TEST_KEY"],
+         "--max-sequences", "2", "--max-tokens", "8", "--threads", "1", "--api-key-env", "ANER_TEST_KEY",
+         "--cpu-extra-buffers", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
@@ -532,6 +533,9 @@ def test_cli_serves_with_an_api_key_from_the_environment(llama_path):
                              capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items()
                                                                               if k != "ANER_UNSET_VAR"})
     assert missing.returncode == 2 and "ANER_UNSET_VAR" in missing.stderr
+    bad = subprocess.run([sys.executable, "-m", "aner_nb", "serve", str(llama_path), "--cpu-extra-buffers", "yes"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cpu-extra-buffers: invalid choice" in bad.stderr
 
 
 # -- the published schema, fuzzed --------------------------------------------------------------------------------

@@ -176,6 +176,9 @@ def test_load_binds_a_lease_and_prints_a_summary(ip, llama_path, capsys):
     assert run(ip, "%llm load {p} --as other --context 128 --device cpu --kv-cache-type f16 --flash-attention off".format(
         p=llama_path)).result is None  # the handle is not returned (no hidden Out reference)
     assert ip.user_ns["other"].context == 128
+    run(ip, f"%llm load {llama_path} --as forced --context 128 --cpu-extra-buffers off")
+    summary = ip.user_ns["forced"].load_summary()
+    assert summary.cpu_extra_buffers == "off" and "forced" in summary.cpu_extra_buffers_reason
 
 
 def test_load_expands_variables_in_the_line(ip, llama_path):
@@ -450,6 +453,7 @@ LINE_ERRORS = [
     ("load {split} --as m", "UnsupportedModelError"),
     ("load {llama} --as m --context abc", "argument --context: invalid int value"),
     ("load {llama} --as m --kv-cache-type q5", "argument --kv-cache-type: invalid choice"),
+    ("load {llama} --as m --cpu-extra-buffers maybe", "argument --cpu-extra-buffers: invalid choice"),
     ("load {llama} --as m --context 0", "ConfigurationError: context must be in 1..65536"),
     ("load {llama} --as m --device metal --context 128", "DeviceUnavailableError"),
     ("load {llama} --as m --kv-cache-type q8_0 --flash-attention off", "needs flash attention"),
