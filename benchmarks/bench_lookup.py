@@ -22,7 +22,7 @@ Every side gets the same ``T`` for one-token decodes and for batches
 would hand speculation more threads than the decoding it is compared with).
 ``T`` defaults to the logical CPUs; the run holds the benchmark lock.
 
-Run: ``python benchmarks/bench_lookup.py [--rounds 3] [--speculative-tokens 8]``.
+Run: ``python benchmarks/bench_lookup.py [--rounds 3] [--speculative-tokens 16]``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--speculative-tokens", type=int, default=8)
+    parser.add_argument("--speculative-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="T for every side (default: logical CPUs)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -91,8 +91,36 @@ def test_draft_policy_grows_on_acceptance_and_backs_off_on_rejection():
     while p.budget() == 0:
         pauses += 1
     assert pauses == MAX_BACKOFF
-    p.update(1, 1)  # any acceptance resets the pause
+    p.update(1, 1)  # one lucky short match after a run of rejections does not end the back-off
+    p.update(2, 0)
+    assert [p.budget() for _ in range(MAX_BACKOFF + 1)] == [0] * MAX_BACKOFF + [1]
+    for _ in range(4):  # acceptance recovers the estimate: then a rejection pauses briefly again
+        p.update(4, 4)
     p.update(2, 0)
     assert [p.budget(), p.budget()] == [0, 1]
     p.update(0, 0)  # a step without proposals changes nothing
     assert p.budget() == 1
+
+
+def test_draft_policy_pauses_when_partial_acceptance_does_not_pay():
+    """Counting-like steps (2 of 3 accepted) estimate ~2/3 < MIN_ACCEPTANCE: pauses grow; copying does not pause."""
+    from aner_nb.llm.lookup import MIN_ACCEPTANCE, DraftPolicy
+
+    counting = DraftPolicy(8)
+    budgets = []
+    for _ in range(40):
+        b = counting.budget()
+        budgets.append(b)
+        if b:
+            counting.update(min(b, 3), min(b, 3) - 1)  # ", " accepted, the digit after it rejected
+    assert counting.acceptance < MIN_ACCEPTANCE
+    assert budgets.count(0) > 20  # mostly paused: a 2-row step costs more than 1.67 tokens are worth
+
+    copying = DraftPolicy(16)
+    budgets = []
+    for _ in range(40):
+        b = copying.budget()
+        budgets.append(b)
+        copying.update(b, b - 1 if len(budgets) % 5 == 0 else b)  # an occasional last-token rejection
+    assert copying.acceptance >= MIN_ACCEPTANCE and 0 not in budgets
+    assert max(budgets) == 16

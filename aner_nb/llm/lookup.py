@@ -16,12 +16,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["WINDOW", "MIN_NGRAM", "MAX_NGRAM", "MAX_BACKOFF", "propose", "NgramIndex", "DraftPolicy"]
+__all__ = [
+    "WINDOW", "MIN_NGRAM", "MAX_NGRAM", "MAX_BACKOFF", "MIN_ACCEPTANCE", "propose", "NgramIndex", "DraftPolicy",
+]
 
 WINDOW = 4096
 MIN_NGRAM = 2
 MAX_NGRAM = 8
-MAX_BACKOFF = 16
+MAX_BACKOFF = 64
+# Below this estimated chance that a proposed token is accepted, proposing costs more than it saves:
+# on the demo model a 2-row step costs 1.8x a 1-row step (every row pays the 262k-vocabulary output
+# product; benchmarks/bench_decode_rows.py), so one proposal pays only when accepted >= ~80% of the time.
+MIN_ACCEPTANCE = 0.8
+_DECAY = 0.75  # weight of the past in the acceptance estimate (about the last four steps)
 
 
 def propose(history: Sequence[int], max_tokens: int, *, window: int = WINDOW) -> list[int]:
@@ -77,16 +84,20 @@ class NgramIndex:
 
 
 class DraftPolicy:
-    """How many proposals the next step verifies: grow while accepted, back off when rejected.
+    """How many proposals the next step verifies: grow while accepted, back off when it does not pay.
 
     Every verified row costs a full output-layer product (262k logits on the
     demo model), so proposals the model rejects make a step dearer than plain
     decoding. After full acceptance the length doubles (up to ``maximum``);
-    after a partial one it shrinks to what was accepted plus one; after a
-    complete rejection no proposal is made for the next ``skip`` steps, a
-    pause that doubles with each consecutive rejection (up to MAX_BACKOFF
-    steps) and resets on any acceptance. Only the speed depends on it:
-    verification keeps the output equal to plain greedy decoding.
+    after a partial one it shrinks to what was accepted plus one. The policy
+    also keeps a decaying estimate of the chance that a proposed token is
+    accepted (accepted tokens over accepted tokens plus first rejections);
+    after a complete rejection, or a partial one while that estimate is below
+    ``MIN_ACCEPTANCE``, no proposal is made for the next ``skip`` steps, a
+    pause that doubles with each such step (up to MAX_BACKOFF steps) and
+    resets only on an acceptance while the estimate is good. Only the
+    speed depends on it: verification keeps the output equal to plain greedy
+    decoding.
     """
 
     def __init__(self, maximum: int) -> None:
@@ -96,6 +107,14 @@ class DraftPolicy:
         self.length = maximum
         self.skip = 0
         self._backoff = 1
+        # An optimistic start (as if four tokens had been accepted): the first proposals are tried.
+        self._accepted = 4.0
+        self._rejected = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """The current estimate of the chance that a proposed token is accepted."""
+        return self._accepted / (self._accepted + self._rejected)
 
     def budget(self) -> int:
         """Proposals allowed for the coming step (0 while backing off)."""
@@ -108,13 +127,16 @@ class DraftPolicy:
         """Record the outcome of one verification step."""
         if proposed <= 0:
             return
+        self._accepted = _DECAY * self._accepted + accepted
+        self._rejected = _DECAY * self._rejected + (1 if accepted < proposed else 0)
         if accepted >= proposed:
             self.length = min(self.maximum, self.length * 2)
+            if self.acceptance >= MIN_ACCEPTANCE:  # one lucky short match does not end a back-off
+                self._backoff = 1
+            return
+        self.length = max(1, min(self.maximum, accepted + 1)) if accepted > 0 else 1
+        if accepted > 0 and self.acceptance >= MIN_ACCEPTANCE:
             self._backoff = 1
-        elif accepted > 0:
-            self.length = max(1, min(self.maximum, accepted + 1))
-            self._backoff = 1
-        else:
-            self.length = 1
-            self.skip = self._backoff
-            self._backoff = min(self._backoff * 2, MAX_BACKOFF)
+            return
+        self.skip = self._backoff
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF)
