@@ -114,4 +114,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from aner_nb.bench import exclusive
+
+    with exclusive("bench_build"):  # one benchmark at a time: two would measure each other
+        main()

@@ -282,4 +282,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from aner_nb.bench import exclusive
+
+    with exclusive("bench_http"):  # one benchmark at a time: two would measure each other
+        main()

@@ -149,4 +149,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from aner_nb.bench import exclusive
+
+    with exclusive("bench_llama_server"):  # one benchmark at a time: two would measure each other
+        main()
