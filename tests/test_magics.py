@@ -328,6 +328,16 @@ def test_bench_pairs_a_lease_with_its_prefix_cached_optimizer(ip, llama_path):
     assert (outputs[outputs.side == "fast"].cached_input_tokens > 0).all()
     shown = "".join(o.data.get("text/plain", "") for o in cap.outputs)
     assert "ratio_to_baseline" in shown and "same_output_as_baseline" in shown
+    from aner_nb.llm._engine import default_threads
+
+    d, b = default_threads()
+    assert f"threads (decode/batch): base {d}/{b}, fast {d}/{b}" in cap.stdout and "different threads" not in cap.stdout
+    assert result.manifest["baseline_settings"]["n_threads"] == d
+    run(ip, "%llm optimize base --as skewed --threads 1 --prefill-threads 2")
+    with capture_output() as cap:
+        run(ip, "%llm bench base skewed --max-tokens 2 --rounds 1 --warmup 0")
+    if (d, b) != (1, 2):
+        assert "different threads" in cap.stdout
     # without --prompt: one built-in prompt; the result still goes to _
     with capture_output():
         run(ip, "%llm bench fast base --max-tokens 2 --rounds 1 --warmup 0")

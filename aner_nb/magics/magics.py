@@ -239,9 +239,17 @@ class LLMMagics(Magics):
 
         cases = [bench.Case(f"p{i}", text, max_tokens=args.max_tokens) for i, text in enumerate(prompts, 1)]
         sides = [bench.lease_side(args.a, leases[0]), bench.lease_side(args.b, leases[1])]
+        # llama.cpp decodes one-token steps on n_threads and every batch on n_threads_batch: a
+        # comparison is fair only at equal counts, so both are printed and a difference is named.
+        threads = {name: bench.lease_settings(lease) for name, lease in zip((args.a, args.b), leases)}
+        counts = {name: (t.get("n_threads"), t.get("n_threads_batch")) for name, t in threads.items()}
+        print("threads (decode/batch): " + ", ".join(f"{n} {d}/{b}" for n, (d, b) in counts.items()))
+        if len(set(counts.values())) > 1:
+            print(f"{prog}: the two leases run with different threads; the ratios compare thread counts too "
+                  "(derive both with with_optimizer(threads=T, prefill_threads=T))")
         with library_errors(prog):
             result = bench.run_sides(sides, cases, rounds=args.rounds, warmup=args.warmup, baseline=args.a,
-                                     manifest_=bench.manifest(leases[1]))
+                                     manifest_=bench.manifest(leases[1], baseline_settings=threads[args.a]))
         del leases, sides
         from IPython.display import display
 
