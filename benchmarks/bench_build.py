@@ -50,7 +50,7 @@ print(json.dumps({
     "prompt": statistics.median(prompt), "decode": statistics.median(decode),
     "threads": t.threads, "prefill_threads": t.prefill_threads, "prompt_tokens": ledger_tokens,
     "system_info": _engine.system_info(), "extra_buffers": base.load_summary().cpu_extra_buffers,
-    "llama_cpp": llm.__name__ and __import__("llama_cpp").__file__,
+    "llama_cpp": __import__("llama_cpp").__file__,
 }))
 """
 

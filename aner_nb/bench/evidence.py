@@ -83,27 +83,24 @@ def environment() -> dict[str, Any]:
 
 def lease_settings(model: Any) -> dict[str, Any]:
     """The engine settings a lease's contexts are created with, resolved (no ``0 = default`` left)."""
-    from ..llm.lease import context_params
+    from ..llm.lease import engine_threads
 
     weights = getattr(model, "_weights", None)
     profile = getattr(model, "profile", None)
     if weights is None or profile is None:
         return {}
-    try:
-        params = context_params(weights, profile, adapter=getattr(getattr(model, "_state", None), "adapter", None))
-    except Exception:  # noqa: BLE001 - a lease kind this helper does not know: report what is known
-        params = None
-    out: dict[str, Any] = {
+    n_threads, n_threads_batch = engine_threads(profile)
+    return {
         "context": weights.settings.context,
         "kv_cache_type": weights.settings.kv_cache_type,
         "flash_attention": weights.settings.flash_attention,
         "cpu_extra_buffers": weights.summary.cpu_extra_buffers,
+        "n_threads": n_threads,
+        "n_threads_batch": n_threads_batch,
+        "n_batch": profile.optimizer.batch_tokens,
+        "n_ubatch": profile.optimizer.micro_batch_tokens,
         "profile": dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else repr(profile),
     }
-    if params is not None:
-        out.update(n_threads=params.n_threads, n_threads_batch=params.n_threads_batch,
-                   n_batch=params.n_batch, n_ubatch=params.n_ubatch, swa_full=params.swa_full)
-    return out
 
 
 _held = threading.local()

@@ -246,7 +246,6 @@ class NativeModel(_Owner):
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
         self.n_swa = int(lib.llama_model_n_swa(ptr))
         self.size_bytes = int(lib.llama_model_size(ptr))
-        self.extra_buffers = bool(extra_buffers)
         self.n_params = int(lib.llama_model_n_params(ptr))
         self.bos = int(lib.llama_vocab_bos(self.vocab))
         self.eos = int(lib.llama_vocab_eos(self.vocab))

@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .cache import cache_dir
-from .errors import ConfigurationError, UnsupportedCPUError
+from .errors import UnsupportedCPUError
 from .probe_model import PROBE_MODEL_VERSION, write_probe_model
-from .profiles import CPU_EXTRA_BUFFERS, choice_or_env
 
 __all__ = [
     "ENV_VAR",
@@ -94,7 +93,6 @@ class ProbeOutcome:
 class ExtraBuffers:
     """Whether this load uses the CPU extra buffer types, and why."""
 
-    setting: str  # what was asked: auto, on, off
     use: bool
     reason: str
     cached: bool = False  # the verdict came from the on-disk cache
@@ -230,18 +228,17 @@ def _write_verdict(path: Path, record: dict) -> None:
 
 
 def resolve_extra_buffers(
-    setting: str | None = None, *, runner: Callable[[bool, Path], ProbeOutcome] = run_probe_child
+    setting: str = "auto", *, runner: Callable[[bool, Path], ProbeOutcome] = run_probe_child
 ) -> ExtraBuffers:
     """Decide whether a load uses CPU extra buffers; probes in a child once per CPU and build.
 
-    Raises :class:`UnsupportedCPUError` when the build cannot run on this CPU
-    at all, instead of letting this process die.
+    ``setting`` is a checked ``LoadSettings.cpu_extra_buffers`` (``load()``
+    resolves the environment variable). Raises :class:`UnsupportedCPUError`
+    when the build cannot run on this CPU at all, instead of letting this
+    process die.
     """
-    value = choice_or_env(setting, ENV_VAR, CPU_EXTRA_BUFFERS, "auto")
-    if value not in CPU_EXTRA_BUFFERS:
-        raise ConfigurationError(f"cpu_extra_buffers must be one of {', '.join(CPU_EXTRA_BUFFERS)}, got {value!r}")
-    if value != "auto":
-        return ExtraBuffers(value, value == "on", f"forced by cpu_extra_buffers={value!r}")
+    if setting != "auto":
+        return ExtraBuffers(setting == "on", f"forced by cpu_extra_buffers={setting!r}")
     cpu, cpu_name = cpu_signature()
     build = build_signature()
     path = verdict_path(cpu, build)
@@ -249,7 +246,7 @@ def resolve_extra_buffers(
     if cached is not None:
         if cached.get("unusable"):
             raise UnsupportedCPUError(_unusable_message(cached["reason"], cached.get("system_info", "")))
-        return ExtraBuffers("auto", cached["use"], cached["reason"], cached=True)
+        return ExtraBuffers(cached["use"], cached["reason"], cached=True)
     model = _probe_model_path()
     outcomes = [runner(True, model)]
     if not outcomes[0].ok:
@@ -267,7 +264,7 @@ def resolve_extra_buffers(
         raise UnsupportedCPUError(_unusable_message(reason, info))
     if not use:
         log.warning("aner_nb: %s (cpu_extra_buffers='auto'; verdict cached in %s)", reason, path)
-    return ExtraBuffers("auto", use, reason)
+    return ExtraBuffers(use, reason)
 
 
 def _unusable_message(reason: str, info: str) -> str:

@@ -141,7 +141,7 @@ def _measure(
     weights = model._weights
     ordinary = context_params(weights, model.profile)
     shape.check_fits(ordinary.n_batch)
-    plain = _in_context(weights, ordinary, 1, lambda ctx, batch: _plain_replay(ctx, batch, prompt, continuation))
+    plain = _in_context(weights, ordinary, lambda ctx, batch: _plain_replay(ctx, batch, prompt, continuation))
     tokens = list(prompt) + list(continuation)
     if shape.kind == "prefill":
         # A latency-profile context (full SWA cache), the prompt and output so far as prefill chunks.
@@ -149,7 +149,7 @@ def _measure(
             prefill(ctx, batch, tokens, 0, 0)
             return _movement(plain, ctx.logits(batch.n_tokens - 1))
 
-        return plain, _in_context(weights, replace(ordinary, swa_full=True), 1, measure)
+        return plain, _in_context(weights, replace(ordinary, swa_full=True), measure)
     if shape.kind == "verification":
         # The deciding row ``row`` of a step that started ``row`` tokens earlier; the rows after it
         # hold proposals (their values do not matter for the shape: the last token stands in).
@@ -168,7 +168,7 @@ def _measure(
                 moved = max(moved, _movement(plain, ctx.logits(row)))
             return moved
 
-        return plain, _in_context(weights, replace(ordinary, swa_full=True), shape.size, measure)
+        return plain, _in_context(weights, replace(ordinary, swa_full=True), measure)
 
     # sequences: the batching lease's context (one KV stream per sequence). The whole history of
     # the judged sequence is replayed as a batched request sees it: its prompt prefilled in the
@@ -182,7 +182,7 @@ def _measure(
 
     params = replace(ordinary, n_seq_max=shape.size, kv_unified=False)
     return plain, max(
-        _in_context(weights, params, shape.size, lambda ctx, batch, f=f: measure(ctx, batch, f)) for f in (True, False)
+        _in_context(weights, params, lambda ctx, batch, f=f: measure(ctx, batch, f)) for f in (True, False)
     )
 
 
@@ -227,11 +227,11 @@ def _add_others(batch: Batch, pending: dict, pos: dict, room: int, *, one_each: 
             pos[seq] += 1
 
 
-def _in_context(weights: Any, params: Any, n_seq: int, work: Any) -> Any:
+def _in_context(weights: Any, params: Any, work: Any) -> Any:
     """Run ``work(ctx, batch)`` on a fresh context with ``params``; always frees both."""
     ctx = NativeContext(weights.native, params)
     # The lease's own chunk size, so the plain replay prefills exactly as the lease does.
-    batch = Batch(params.n_batch, n_seq)
+    batch = Batch(params.n_batch, params.n_seq_max)
     try:
         return work(ctx, batch)
     finally:

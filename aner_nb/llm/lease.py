@@ -83,6 +83,13 @@ def prepare(
     return Prepared(request, tokens, t_call)
 
 
+def engine_threads(profile: Profile) -> tuple[int, int]:
+    """``(n_threads, n_threads_batch)`` a profile's contexts get: its own, or the engine default for 0."""
+    threads, prefill = default_threads()
+    opt = profile.optimizer
+    return opt.threads or threads, opt.prefill_threads or prefill
+
+
 def context_params(
     weights: SharedWeights,
     profile: Profile,
@@ -102,15 +109,15 @@ def context_params(
             f"{adapter.sha256 if adapter is not None else None!r}; an adapter profile's contexts must apply its adapter"
         )
     opt = profile.optimizer
-    threads, prefill = default_threads()
+    threads, prefill = engine_threads(profile)
     settings = weights.settings
     return ContextParams(
         n_ctx=settings.context,
         n_batch=opt.batch_tokens,
         n_ubatch=opt.micro_batch_tokens,
         n_seq_max=n_seq_max,
-        n_threads=opt.threads or threads,
-        n_threads_batch=opt.prefill_threads or prefill,
+        n_threads=threads,
+        n_threads_batch=prefill,
         kv_cache_type=settings.kv_cache_type,
         flash_attention=settings.flash_attention,
         swa_full=swa_full,
