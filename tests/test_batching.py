@@ -73,6 +73,13 @@ def wait_for(condition, timeout=10.0):
         time.sleep(0.005)
 
 
+def read_response(stream):
+    """Read a stream to its end; its final Response."""
+    for _ in stream:
+        pass
+    return stream.response
+
+
 def request_of(stream):
     """The scheduler request behind a batched stream (its end callback is ``Request.settle``)."""
     return stream._driver._done.__self__
@@ -93,7 +100,11 @@ def test_batched_tokens_equal_the_request_run_alone(fixture_models, arch, n):
         alone = [base.generate(p, **kw) for p, kw in zip(prompts, kwargs)]
         assert alone[0].finish_reason == "stop"
         with base.with_batching(n) as serving:
-            batched = concurrently(lambda i: serving.generate(prompts[i], **kwargs[i]), n)
+            # Every request is submitted before any is read, the last first: a stream whose unread
+            # pieces fill its buffer (16) pauses without finishing, so the long requests are still
+            # active when the short ones arrive, however the threads are scheduled.
+            streams = {i: serving.stream(prompts[i], **kwargs[i]) for i in reversed(range(n))}
+            batched = concurrently(lambda i: read_response(streams[i]), n)
             stats = serving.stats()
         for a, b in zip(alone, batched):
             assert isinstance(b, llm.Response), b
