@@ -14,11 +14,13 @@ from .adapters import AdapterInfo, AdapterManifest, read_manifest, write_manifes
 from .artifact import SUPPORTED_ARCHITECTURES, AdapterFacts, ModelFacts, inspect_adapter, inspect_model, sha256_file
 from .batching import BatchingModel, BatchingSettings, with_batching
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
-from .lease import FEATURES, LLMModel
+from .lease import LLMModel
+from .protocol import FEATURES, KINDS, Lease, LeaseKind
 from .loader import load, native_available, resolve_device
 from .memory import KV_CACHE_TYPES, kv_estimate
 from .profiles import LoadSettings, OptimizerSettings, Profile, RequestSettings
-from .response import Response, Timings, Usage
+from .response import Response, Usage
+from .timings import Timings, timing_fields
 from .scheduler import SchedulerStats
 from .session import Session
 from .stream import Stream
@@ -53,6 +55,9 @@ __all__ = [
     "with_context_pool",
     "with_batching",
     "with_adapter",
+    "Lease",
+    "LeaseKind",
+    "KINDS",
     "LLMModel",
     "BatchingModel",
     "BatchingSettings",
@@ -61,6 +66,7 @@ __all__ = [
     "Stream",
     "Response",
     "Timings",
+    "timing_fields",
     "Usage",
     "LoadSummary",
     "MemorySummary",

@@ -36,7 +36,9 @@ from typing import Any, Callable, Generator, Mapping, Sequence
 from ._engine import Batch, NativeContext, pairs_batch_columns
 from .chat import validate_messages
 from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
-from .lease import FEATURES, LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
+from .protocol import LeaseKind
+from .timings import PoolTimings
+from .lease import LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
 from .profiles import Profile, RequestSettings, int_in as _int_in
 from .response import Response
 from .runner import Job, validate_only
@@ -166,11 +168,12 @@ class BatchingModel(LeaseMetadata):
         """Reject new requests, finish accepted ones, then free the context and join the thread."""
         self._scheduler.shutdown(wait=True)
 
-    def supports(self, feature: str) -> bool:
-        """Whether this lease can do ``feature`` now; closed leases support nothing."""
-        if feature not in FEATURES:
-            raise ConfigurationError(f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}")
-        return not self.closed and feature in ("generate", "chat", "stream", "continuous_batching")
+    @property
+    def kind(self) -> LeaseKind:
+        return "throughput"
+
+    def _features(self) -> frozenset[str]:
+        return frozenset({"generate", "chat", "stream", "continuous_batching"})
 
     # Builders and sessions need a context of their own; a batching lease has one shared context.
     def _no_builder(self, what: str) -> UnsupportedFeatureError:
@@ -242,6 +245,7 @@ class BatchingModel(LeaseMetadata):
         job = self._job(prepared)
         if prepared.request.max_tokens == 0:
             return Stream(validate_only(job), job, lambda ok: None)
+        job.add(PoolTimings(cached_input_tokens=0))
         s = self._scheduler
         outbox = Outbox(self._settings.stream_buffer, s.wake, s.guard)
         req = s.submit(Request(job, outbox=outbox))
@@ -298,9 +302,7 @@ class BatchingModel(LeaseMetadata):
 
     def _job(self, prepared: Prepared) -> Job:
         job = Job(prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=self.name)
-        job.timings.update(profile_timings(self._params, self._profile))
-        job.timings["cached_input_tokens"] = 0
-        job.timings["batch_max_sequences"] = self.max_sequences
+        job.add(profile_timings(self._params, self._profile))
         return job
 
     def _submit(
@@ -311,6 +313,7 @@ class BatchingModel(LeaseMetadata):
         job = self._job(prepared)
         if prepared.request.max_tokens == 0:
             return _drain(validate_only(job))  # validated; no queue, no KV
+        job.add(PoolTimings(cached_input_tokens=0))  # no pool: every prompt is evaluated
         return self._scheduler.submit(Request(job, on_text=on_text), block=block)
 
     def _await(self, req: "Request | Response") -> Response:

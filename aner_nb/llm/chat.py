@@ -322,30 +322,42 @@ def validate_messages(
         raise ConfigurationError(f"max_messages must be a positive int or None, got {max_messages!r}")
     if not isinstance(messages, (list, tuple)):
         raise InvalidRequestError(
-            f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}"
+            f"messages must be a list of {{'role', 'content'}} mappings, got {type(messages).__name__}",
+            param="messages",
         )
     if not messages:
-        raise InvalidRequestError("messages must not be empty")
+        raise InvalidRequestError("messages must not be empty", param="messages")
     if max_messages is not None and len(messages) > max_messages:
-        raise InvalidRequestError(f"messages has {len(messages)} entries; at most {max_messages} are allowed")
+        raise InvalidRequestError(
+            f"messages has {len(messages)} entries; at most {max_messages} are allowed", param="messages"
+        )
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InvalidRequestError(
-                f"messages[{i}] must be a mapping with 'role' and 'content', got {type(message).__name__}"
+                f"messages[{i}] must be a mapping with 'role' and 'content', got {type(message).__name__}",
+                param=f"messages[{i}]",
             )
         if "role" not in message:
-            raise InvalidRequestError(f"messages[{i}].role is missing; it must be one of {', '.join(ROLES)}")
+            raise InvalidRequestError(
+                f"messages[{i}].role is missing; it must be one of {', '.join(ROLES)}", param=f"messages[{i}].role"
+            )
         role = message["role"]
         if isinstance(role, str):
             role = str.__str__(role)  # a plain str: subclasses cannot fake equality
         if not isinstance(role, str) or role not in ROLES:
-            raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", param=f"messages[{i}].role"
+            )
         if "content" not in message:
-            raise InvalidRequestError(f"messages[{i}].content is missing; it must be a str")
+            raise InvalidRequestError(
+                f"messages[{i}].content is missing; it must be a str", param=f"messages[{i}].content"
+            )
         content = message["content"]
         if not isinstance(content, str):
-            raise InvalidRequestError(f"messages[{i}].content must be a str, got {type(content).__name__}")
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a str, got {type(content).__name__}", param=f"messages[{i}].content"
+            )
         out.append({"role": role, "content": str.__str__(content)})
     return tuple(out)
 
@@ -355,7 +367,7 @@ def format_prompt(template: ChatTemplate, prompt: str, system: str | None = None
     if not isinstance(template, ChatTemplate):
         raise TypeError(f"template must be a ChatTemplate, got {type(template).__name__}")
     if not isinstance(prompt, str):
-        raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}")
+        raise InvalidRequestError(f"prompt must be a str, got {type(prompt).__name__}", param="prompt")
     if system is not None and not isinstance(system, str):
         raise InvalidRequestError(f"system must be a str or None, got {type(system).__name__}")
     messages = [] if system is None else [{"role": "system", "content": system}]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ._engine import Batch, ContextParams, NativeContext, NativeModel
+from .timings import PoolTimings, TimingsPart
 
 __all__ = ["Acquired", "ContextSlot", "ContextPool"]
 
@@ -35,7 +36,7 @@ class Acquired:
 
     slot: ContextSlot
     n_cached: int
-    timings: dict[str, int]
+    timings: tuple[TimingsPart, ...]
 
 
 class ContextPool:
@@ -57,11 +58,11 @@ class ContextPool:
         if slot is None:
             slot = ContextSlot(NativeContext(self.model, self.params), Batch(self.params.n_batch, self.params.n_seq_max))
             self.created += 1
-            return Acquired(slot, 0, {"context_pool_reused": 0, "cached_input_tokens": 0})
+            return Acquired(slot, 0, (PoolTimings(cached_input_tokens=0, context_pool_reused=0),))
         t0 = time.perf_counter_ns()
         slot.ctx.clear()
         clear = time.perf_counter_ns() - t0
-        return Acquired(slot, 0, {"context_pool_reused": 1, "context_clear_duration": clear, "cached_input_tokens": 0})
+        return Acquired(slot, 0, (PoolTimings(cached_input_tokens=0, context_clear_duration=clear, context_pool_reused=1),))
 
     def give_back(self, slot: ContextSlot, prompt: Sequence[int] = (), *, outcome: str) -> None:
         """Keep the slot for the next request if there is room, else free it now.

@@ -28,7 +28,16 @@ __all__ = [
 
 
 class LLMError(Exception):
-    """Base class of every error raised by ``aner_nb.llm``."""
+    """Base class of every error raised by ``aner_nb.llm``.
+
+    ``param`` names the offending argument or setting when there is one
+    (``max_tokens``, ``messages[2].role``, ``stop[0]``, ``context``), so the
+    HTTP service and the magics can point at it without parsing the message.
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidArtifactError(LLMError, ValueError):
@@ -47,7 +56,7 @@ class AdapterError(InvalidArtifactError):
     """
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
+        super().__init__(message, param=field)
         self.field = field
 
 

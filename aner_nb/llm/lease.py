@@ -28,6 +28,8 @@ from .errors import BusyError, ClosedError, ConfigurationError, ContextOverflowE
 from .adapters import AdapterInfo, SharedAdapter, load_adapter
 from .artifact import ModelFacts
 from .memory import kv_estimate
+from .timings import ProfileTimings
+from .protocol import FEATURES, Lease, LeaseKind
 from .profiles import OptimizerSettings, Profile, RequestSettings
 from .response import Response
 from .runner import Job, run_request, validate_only
@@ -41,7 +43,6 @@ if TYPE_CHECKING:  # imported lazily at run time: both modules import this one
 
 __all__ = ["LLMModel", "LeaseMetadata", "FEATURES", "Prepared", "prepare", "prompt_token_ids", "context_params"]
 
-FEATURES = ("generate", "chat", "stream", "session", "prefix_cache", "speculative", "continuous_batching", "adapter")
 
 
 class Prepared:
@@ -126,17 +127,17 @@ def context_params(
     )
 
 
-def profile_timings(params: ContextParams, profile: Profile) -> dict[str, int]:
-    """Timings fields that describe the configuration the request ran with."""
+def profile_timings(params: ContextParams, profile: Profile) -> ProfileTimings:
+    """The timings part that describes the configuration the request ran with."""
     opt = profile.optimizer
-    return {
-        "threads": params.n_threads,
-        "prefill_threads": params.n_threads_batch,
-        "batch_tokens": params.n_batch,
-        "micro_batch_tokens": params.n_ubatch,
-        "speculative_tokens": opt.speculative_tokens,
-        "prefix_cache_entries": opt.prefix_cache_entries,
-    }
+    return ProfileTimings(
+        threads=params.n_threads,
+        prefill_threads=params.n_threads_batch,
+        batch_tokens=params.n_batch,
+        micro_batch_tokens=params.n_ubatch,
+        speculative_tokens=opt.speculative_tokens,
+        prefix_cache_capacity=opt.prefix_cache_entries,
+    )
 
 
 class _LeaseState:
@@ -192,7 +193,7 @@ class _LeaseState:
             self.weights.release()  # then the weights
 
 
-class LeaseMetadata:
+class LeaseMetadata(Lease):
     """What every lease kind reads from its weights: metadata, readable after close.
 
     Subclasses set ``_weights`` and ``_profile`` and define ``close()``.
@@ -254,14 +255,6 @@ class LeaseMetadata:
             self._weights.settings.kv_cache_type,
         )
 
-    def close(self) -> None:  # pragma: no cover - every lease kind defines it
-        raise NotImplementedError
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class LLMModel(LeaseMetadata):
@@ -326,23 +319,18 @@ class LLMModel(LeaseMetadata):
         """Reject new requests; a running request finishes, then native memory is released."""
         self._state.close()
 
-    def supports(self, feature: str) -> bool:
-        """Whether this lease can do ``feature`` now (one of FEATURES); closed leases support nothing."""
-        if feature not in FEATURES:
-            raise ConfigurationError(f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}")
-        if self.closed:
-            return False
+    @property
+    def kind(self) -> LeaseKind:
+        return "adapter" if self._adapter is not None else self._profile.kind  # type: ignore[return-value]
+
+    def _features(self) -> frozenset[str]:
         opt = self._profile.optimizer
-        return {
-            "generate": True,
-            "chat": True,
-            "stream": True,
-            "session": True,
+        optional = {
             "prefix_cache": opt.prefix_cache_entries > 0,
             "speculative": opt.speculative_tokens > 0,
-            "continuous_batching": False,
             "adapter": self._adapter is not None,
-        }[feature]
+        }
+        return frozenset({"generate", "chat", "stream", "session", *(f for f, on in optional.items() if on)})
 
     # -- requests ---------------------------------------------------------------
     def generate(
@@ -421,13 +409,14 @@ class LLMModel(LeaseMetadata):
             t_call=prepared.t_call,
             model_name=self.name,
         )
-        job.timings.update(profile_timings(self._params, self._profile))
+        job.add(profile_timings(self._params, self._profile))
         if prepared.request.max_tokens == 0:
             return validate_only(job), job, lambda ok: self._state.end()
         pool = self._state.pool
         acquired = pool.acquire(prepared.tokens)
         job.n_cached = acquired.n_cached
-        job.timings.update(acquired.timings)
+        for part in acquired.timings:
+            job.add(part)
         gen = run_request(
             self._weights.native, acquired.slot.ctx, acquired.slot.batch, job,
             speculative_tokens=self._profile.optimizer.speculative_tokens,

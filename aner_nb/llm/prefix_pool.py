@@ -24,6 +24,7 @@ from typing import Sequence
 
 from ._engine import Batch, ContextParams, NativeContext, NativeModel
 from .context_pool import Acquired, ContextSlot
+from .timings import PoolTimings, PrefixCacheTimings
 
 __all__ = [
     "Choice",
@@ -148,24 +149,20 @@ class PrefixPool:
             index = choice.entry if choice.entry is not None else choice.evict
             taken = entries.pop(index) if index is not None else None
             self._in_use += 1
-        timings = {"prefix_cache_entries": retained[0], "prefix_cache_retained_tokens": retained[1]}
+        found = {"prefix_cache_entries": retained[0], "prefix_cache_retained_tokens": retained[1]}
         if taken is None:
             slot = self._new_slot()
-            timings.update(prefix_cache_hit=0, cached_input_tokens=0, context_pool_reused=0)
-            return Acquired(slot, 0, timings)
+            return Acquired(slot, 0, (
+                PoolTimings(cached_input_tokens=0, context_pool_reused=0), PrefixCacheTimings(prefix_cache_hit=0, **found),
+            ))
         t0 = time.perf_counter_ns()
         keep = choice.keep
         if keep == 0 or not taken.slot.ctx.trim(0, keep):
             # The kept range did not survive (a sliding-window cache without swa_full): no reuse.
             taken.slot.ctx.clear()
             keep = 0
-        timings.update(
-            context_clear_duration=time.perf_counter_ns() - t0,
-            prefix_cache_hit=int(keep > 0),
-            cached_input_tokens=keep,
-            context_pool_reused=1,
-        )
-        return Acquired(taken.slot, keep, timings)
+        pool = PoolTimings(cached_input_tokens=keep, context_clear_duration=time.perf_counter_ns() - t0, context_pool_reused=1)
+        return Acquired(taken.slot, keep, (pool, PrefixCacheTimings(prefix_cache_hit=int(keep > 0), **found)))
 
     def give_back(self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str) -> None:
         """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else."""

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import ConfigurationError, InvalidRequestError
+from .errors import ConfigurationError, InvalidRequestError, LLMError
 from .memory import KV_CACHE_TYPES
 
 __all__ = [
@@ -53,12 +53,12 @@ _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def int_in(name: str, value: Any, low: int, high: int, error: type[Exception] = ConfigurationError) -> int:
+def int_in(name: str, value: Any, low: int, high: int, error: type[LLMError] = ConfigurationError) -> int:
     """``value`` if it is an int (not a bool) in ``low..high``, else ``error`` naming the field and range."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{name} must be an integer in {low}..{high}, got {value!r}")
+        raise error(f"{name} must be an integer in {low}..{high}, got {value!r}", param=name)
     if not low <= value <= high:
-        raise error(f"{name} must be in {low}..{high}, got {value}")
+        raise error(f"{name} must be in {low}..{high}, got {value}", param=name)
     return value
 
 
@@ -185,12 +185,14 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (list, tuple)):
-        raise InvalidRequestError(f"stop must be None, a string or a list of strings, got {type(stop).__name__}")
+        raise InvalidRequestError(
+            f"stop must be None, a string or a list of strings, got {type(stop).__name__}", param="stop"
+        )
     if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        raise InvalidRequestError(f"stop accepts at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {s!r}")
+            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {s!r}", param=f"stop[{i}]")
     return tuple(stop)
 
 
@@ -207,7 +209,7 @@ class RequestSettings:
         int_in("max_tokens", self.max_tokens, 0, MAX_TOKENS, InvalidRequestError)
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
-            raise InvalidRequestError(f"temperature must be a finite number in [0, 2], got {t!r}")
+            raise InvalidRequestError(f"temperature must be a finite number in [0, 2], got {t!r}", param="temperature")
         object.__setattr__(self, "temperature", float(t))
         int_in("seed", self.seed, 0, MAX_SEED, InvalidRequestError)
         object.__setattr__(self, "stop", _stop_strings(self.stop))

@@ -1,7 +1,8 @@
 """Results of one request: the generated text, its token ids, usage and timings.
 
-Timings are integer nanoseconds and counts. A value that was not measured is
-``-1`` (never a made-up ``0``), so tables and plots can show it as missing.
+Timings (see :mod:`aner_nb.llm.timings`) are integer nanoseconds and counts.
+A value that was not measured is ``-1`` (never a made-up ``0``), so tables
+and plots can show it as missing.
 """
 
 from __future__ import annotations
@@ -13,65 +14,11 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from .timings import NOT_MEASURED, Timings
+
 __all__ = ["Timings", "Usage", "Response", "NOT_MEASURED", "output_hash", "FINISH_REASONS"]
 
-NOT_MEASURED = -1
 FINISH_REASONS = ("stop", "length", "cancelled")
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Where the time of one request went, and what the engine did.
-
-    Durations are nanoseconds from a monotonic clock. ``first_token_duration``
-    and ``total_duration`` run from the call, so time spent waiting in a queue
-    is included (``queue_duration`` reports it alone); ``decode_duration`` runs
-    from the first sampled token to the last one, and is -1 when only one token
-    was sampled (nothing was decoded after the first). Flags such as ``prefix_cache_hit`` are 0/1, or -1 where the
-    profile has no such feature.
-    """
-
-    queue_duration: int = NOT_MEASURED
-    context_clear_duration: int = NOT_MEASURED
-    prompt_eval_duration: int = NOT_MEASURED
-    first_token_duration: int = NOT_MEASURED
-    decode_duration: int = NOT_MEASURED
-    total_duration: int = NOT_MEASURED
-    prompt_tokens: int = NOT_MEASURED
-    cached_input_tokens: int = NOT_MEASURED
-    evaluated_prompt_tokens: int = NOT_MEASURED
-    generated_tokens: int = NOT_MEASURED
-    decode_calls: int = NOT_MEASURED
-    context_pool_reused: int = NOT_MEASURED
-    prefix_cache_hit: int = NOT_MEASURED
-    prefix_cache_entries: int = NOT_MEASURED
-    prefix_cache_retained_tokens: int = NOT_MEASURED
-    threads: int = NOT_MEASURED
-    prefill_threads: int = NOT_MEASURED
-    batch_tokens: int = NOT_MEASURED
-    micro_batch_tokens: int = NOT_MEASURED
-    speculative_tokens: int = NOT_MEASURED
-    speculative_proposed_tokens: int = NOT_MEASURED
-    speculative_accepted_tokens: int = NOT_MEASURED
-    speculative_verification_steps: int = NOT_MEASURED
-    batch_max_sequences: int = NOT_MEASURED
-    batch_peak_sequences: int = NOT_MEASURED
-    scheduler_steps: int = NOT_MEASURED
-    batch_decoded_tokens: int = NOT_MEASURED
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"Timings.{f.name} must be an int, got {value!r}")
-            if value < NOT_MEASURED:
-                raise ValueError(f"Timings.{f.name} must be >= -1, got {value}")
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes: int) -> "Timings":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ from typing import Generator, Sequence
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampler
 from .errors import EngineError
 from .profiles import RequestSettings
-from .response import NOT_MEASURED, Response, Timings, Usage
+from .response import Response, Usage
+from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
 from .lookup import DraftPolicy, NgramIndex
 from .text import TextAssembler
 
@@ -41,8 +42,16 @@ class Job:
     n_cached: int = 0  # prompt tokens already in the KV of ``seq`` at positions 0..n_cached-1
     model_name: str = ""
     cancel: threading.Event = field(default_factory=threading.Event)
-    timings: dict[str, int] = field(default_factory=dict)  # fields the caller measured (clear, pool, profile)
+    parts: list[TimingsPart] = field(default_factory=list)  # timings measured before and around the run
     result: Response | None = None
+
+    def add(self, part: TimingsPart) -> None:
+        """Record one producer's timings part (profile, pool, queue, batch...)."""
+        self.parts.append(part)
+
+    @property
+    def cached_input_tokens(self) -> int:
+        return next((p.cached_input_tokens for p in self.parts if isinstance(p, PoolTimings)), NOT_MEASURED)
 
 
 class SequenceOutput:
@@ -52,7 +61,8 @@ class SequenceOutput:
     verification (several tokens per step) and the batching scheduler (one
     per sequence). ``accept`` takes each verified token in order and returns
     the text that became final; it stops at an end-of-generation token, a
-    stop string, ``max_tokens`` or a cancellation.
+    stop string, ``max_tokens`` or a cancellation. The counters below are
+    what :class:`RunTimings` reports; the strategies add to them.
     """
 
     def __init__(self, model: NativeModel | None, job: Job) -> None:
@@ -62,13 +72,13 @@ class SequenceOutput:
         self.assembler = TextAssembler(job.request.stop)
         self.finished = False
         self.reason = "length"
-        prompt = len(job.prompt_tokens)
-        self.measured: dict[str, int] = {
-            "prompt_tokens": prompt,
-            "evaluated_prompt_tokens": prompt - job.n_cached,
-            "generated_tokens": 0,
-            "decode_calls": 0,
-        }
+        self.evaluated_prompt_tokens = len(job.prompt_tokens) - job.n_cached
+        self.generated_tokens = 0
+        self.decode_calls = 0
+        self.prompt_eval_duration = NOT_MEASURED
+        self.first_token_duration = NOT_MEASURED
+        self.decode_duration = NOT_MEASURED
+        self.speculation: list[int] | None = None  # proposed, accepted, verification steps (speculative runs)
         self.t_work = _now()
         self.t_first = NOT_MEASURED
 
@@ -77,14 +87,13 @@ class SequenceOutput:
         if self.finished:
             raise RuntimeError("accept() after the sequence finished")
         now = _now()
-        m = self.measured
-        m["generated_tokens"] += 1
+        self.generated_tokens += 1
         if self.t_first == NOT_MEASURED:
             self.t_first = now
             # From the call, so waiting in a queue counts (queue_duration still says how much).
-            m["first_token_duration"] = now - self.job.t_call
+            self.first_token_duration = now - self.job.t_call
         else:  # a one-token answer had no timed decode: decode_duration stays -1
-            m["decode_duration"] = now - self.t_first
+            self.decode_duration = now - self.t_first
         assert self.model is not None
         if self.model.is_eog(token):
             return self._stop("stop")
@@ -106,22 +115,35 @@ class SequenceOutput:
         """Text held back for a possible stop string, released at the end."""
         return self.assembler.finish()
 
+    def run_timings(self) -> RunTimings:
+        return RunTimings(
+            prompt_tokens=len(self.job.prompt_tokens),
+            evaluated_prompt_tokens=self.evaluated_prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            decode_calls=self.decode_calls,
+            prompt_eval_duration=self.prompt_eval_duration,
+            first_token_duration=self.first_token_duration,
+            decode_duration=self.decode_duration,
+            total_duration=_now() - self.job.t_call,
+        )
+
     def response(self, reason: str | None = None) -> Response:
         """Build (and record on the job) the final Response."""
         job = self.job
-        values = dict(job.timings)
-        values.update(self.measured)
-        values["total_duration"] = _now() - job.t_call
+        parts = [*job.parts, self.run_timings()]
+        if self.speculation is not None:
+            parts.append(SpeculativeTimings(*self.speculation))
+        timings = Timings.assemble(*parts)
         response = Response(
             text=self.assembler.text,
             tokens=tuple(self.tokens),
             finish_reason=reason or self.reason,
             usage=Usage(
                 prompt_tokens=len(job.prompt_tokens),
-                cached_input_tokens=job.timings.get("cached_input_tokens", NOT_MEASURED),
+                cached_input_tokens=timings.cached_input_tokens,
                 completion_tokens=len(self.tokens),
             ),
-            timings=Timings(**values),
+            timings=timings,
             model=job.model_name,
         )
         job.result = response
@@ -131,8 +153,8 @@ class SequenceOutput:
 def validate_only(job: Job) -> Generator[str, None, Response]:
     """``max_tokens=0``: the request was validated; nothing touches a context or the KV."""
     out = SequenceOutput(None, job)
-    out.measured["evaluated_prompt_tokens"] = 0
-    job.timings["cached_input_tokens"] = 0  # exactly none: no context was acquired
+    out.evaluated_prompt_tokens = 0
+    job.add(PoolTimings(cached_input_tokens=0))  # exactly none: no context was acquired
     return out.response("length")
     yield  # pragma: no cover - makes this a generator like run_request
 
@@ -180,11 +202,11 @@ def run_request(
     index = NgramIndex(prompt) if speculative_tokens else None
     policy = DraftPolicy(speculative_tokens) if speculative_tokens else None
     if index is not None:
-        out.measured.update(speculative_proposed_tokens=0, speculative_accepted_tokens=0, speculative_verification_steps=0)
+        out.speculation = [0, 0, 0]
     try:
         t0 = _now()
         prefill(ctx, batch, prompt, job.n_cached, seq)
-        out.measured["prompt_eval_duration"] = _now() - t0
+        out.prompt_eval_duration = _now() - t0
         row = batch.n_tokens - 1
         token = ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)
         pos = len(prompt)  # KV position of ``token``, which is sampled but not yet evaluated
@@ -208,17 +230,18 @@ def run_request(
             batch.add(token, pos, seq, logits=True)
             for i, draft in enumerate(drafts):
                 batch.add(draft, pos + 1 + i, seq, logits=True)
-            out.measured["decode_calls"] += 1
+            out.decode_calls += 1
             if ctx.decode(batch) == DECODE_NO_KV_SLOT:
                 raise EngineError(f"no KV slot for positions {pos}..{pos + len(drafts)} (context {ctx.n_ctx})")
             if drafts:
                 verified = _verify(ctx, drafts)
                 accepted = len(verified) - 1
                 policy.update(len(drafts), accepted)  # type: ignore[union-attr]
-                m = out.measured
-                m["speculative_verification_steps"] += 1
-                m["speculative_proposed_tokens"] += len(drafts)
-                m["speculative_accepted_tokens"] += accepted
+                counts = out.speculation
+                assert counts is not None
+                counts[0] += len(drafts)
+                counts[1] += accepted
+                counts[2] += 1
                 if accepted < len(drafts) and not ctx.seq_rm(seq, pos + 1 + accepted, -1):
                     raise EngineError(f"could not remove rejected proposals at positions {pos + 1 + accepted}..")
                 # Rejected rows leave no trace: the KV ends at the last verified position.
@@ -255,3 +278,4 @@ def _verify(ctx: NativeContext, drafts: Sequence[int]) -> list[int]:
             return verified
     verified.append(ctx.greedy(len(drafts)))
     return verified
+

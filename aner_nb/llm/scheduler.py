@@ -55,6 +55,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampl
 from .errors import BusyError, ClosedError, EngineError
 from .response import Response
 from .runner import Job, SequenceOutput
+from .timings import BatchTimings, QueueTimings
 
 __all__ = [
     "StepPlan",
@@ -553,7 +554,7 @@ class Scheduler:
         job = r.job
         job.seq = r.seq
         r.out = SequenceOutput(self.model, job)  # its clock is the start of work
-        job.timings["queue_duration"] = r.out.t_work - r.t_submit
+        job.add(QueueTimings(queue_duration=r.out.t_work - r.t_submit))
         if not job.request.greedy:
             r.sampler = Sampler(job.request.temperature, job.request.seed)
 
@@ -658,12 +659,12 @@ class Scheduler:
             r.peak = max(r.peak, n_seqs)
             if not r.prefilling:
                 r.pos += 1
-                r.out.measured["decode_calls"] += 1
+                r.out.decode_calls += 1
         for r, n in chunks:
             r.evaluated += n
             if not r.prefilling:
                 r.pos = r.evaluated
-                r.out.measured["prompt_eval_duration"] = t_done - r.out.t_work
+                r.out.prompt_eval_duration = t_done - r.out.t_work
         for r, row in rows:
             self._sample(r, row)
 
@@ -698,19 +699,19 @@ class Scheduler:
         if r.outbox is not None:
             r.outbox.put(piece)
 
-    def _batch_timings(self, r: Request) -> dict[str, int]:
-        return {
-            "batch_max_sequences": self.max_sequences,
-            "batch_peak_sequences": r.peak,
-            "scheduler_steps": r.steps,
-            "batch_decoded_tokens": r.step_tokens,
-        }
+    def _batch_timings(self, r: Request) -> BatchTimings:
+        return BatchTimings(
+            batch_max_sequences=self.max_sequences,
+            batch_peak_sequences=r.peak,
+            scheduler_steps=r.steps,
+            batch_decoded_tokens=r.step_tokens,
+        )
 
     def _complete(self, r: Request, reason: str | None) -> None:
         """End an admitted request with its Response (``reason`` overrides, e.g. cancelled)."""
         out = r.out
-        r.job.timings.update(self._batch_timings(r))
-        out.measured["evaluated_prompt_tokens"] = r.evaluated
+        r.job.add(self._batch_timings(r))
+        out.evaluated_prompt_tokens = r.evaluated
         response = out.response(reason)
         self._release(r)
         with self._cv:
@@ -720,9 +721,9 @@ class Scheduler:
     def _finish_unadmitted(self, r: Request) -> None:
         """A request cancelled while still queued: a cancelled Response, no KV touched."""
         out = SequenceOutput(self.model, r.job)
-        r.job.timings["queue_duration"] = out.t_work - r.t_submit
-        r.job.timings.update(self._batch_timings(r))
-        out.measured["evaluated_prompt_tokens"] = 0
+        r.job.add(QueueTimings(queue_duration=out.t_work - r.t_submit))
+        r.job.add(self._batch_timings(r))
+        out.evaluated_prompt_tokens = 0
         out.response("cancelled")
         with self._cv:
             self._counts["cancelled"] += 1

@@ -25,6 +25,8 @@ from .runner import Job, run_request, validate_only
 from .stream import Stream
 from .weights import SharedWeights
 from .adapters import SharedAdapter
+from .timings import PoolTimings
+from .protocol import Lease, LeaseKind
 from ._engine import Batch, NativeContext
 
 __all__ = ["Session"]
@@ -53,7 +55,7 @@ class _SessionState:
             self.weights.release()
 
 
-class Session:
+class Session(Lease):
     """``model.session(system=...)``: ``send`` a user turn, get the answer; history is kept."""
 
     def __init__(
@@ -105,18 +107,19 @@ class Session:
     def closed(self) -> bool:
         return self._state.closed
 
+    @property
+    def kind(self) -> LeaseKind:
+        return "session"
+
+    def _features(self) -> frozenset[str]:
+        return frozenset({"generate", "stream"})
+
     def close(self) -> None:
         with self._state.lock:
             self._state.closed = True
             busy = self._state.active
         if not busy:
             self._state.release()
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         turns = sum(1 for m in self._history if m["role"] == "user")
@@ -161,9 +164,8 @@ class Session:
                 raise ClosedError("this session is closed; open a new one with model.session()")
             st.active = True
         job = Job(prompt_tokens=prepared.tokens, request=request, t_call=t_call, model_name=self._model_name)
-        job.timings.update(profile_timings(self._params, self._profile))
+        job.add(profile_timings(self._params, self._profile))
         if request.max_tokens == 0:
-            job.timings["cached_input_tokens"] = 0
             return validate_only(job), job, lambda ok: self._end(None, None)
         ctx = st.slot.ctx
         keep = reusable_prefix(self._kv_tokens, prepared.tokens)
@@ -171,9 +173,10 @@ class Session:
         if not ctx.trim(0, keep):
             keep = 0  # the kept range did not survive: start this turn from an empty KV
             ctx.clear()
-        job.timings["context_clear_duration"] = time.perf_counter_ns() - t0
-        job.timings["cached_input_tokens"] = keep
-        job.timings["context_pool_reused"] = 1 if self._kv_tokens else 0
+        job.add(PoolTimings(
+            cached_input_tokens=keep, context_clear_duration=time.perf_counter_ns() - t0,
+            context_pool_reused=1 if self._kv_tokens else 0,
+        ))
         job.n_cached = keep
         self._kv_tokens = []  # unknown until the turn succeeds
         gen = run_request(self._weights.native, ctx, st.slot.batch, job)
