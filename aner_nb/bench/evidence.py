@@ -83,7 +83,7 @@ def environment() -> dict[str, Any]:
 
 def lease_settings(model: Any) -> dict[str, Any]:
     """The engine settings a lease's contexts are created with, resolved (no ``0 = default`` left)."""
-    from ..llm.lease import engine_threads
+    from ..llm.requests import engine_threads
 
     weights = getattr(model, "_weights", None)
     profile = getattr(model, "profile", None)

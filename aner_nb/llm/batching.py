@@ -27,24 +27,20 @@ a finalizer does the same (without waiting) when the lease is collected.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._engine import Batch, NativeContext, pairs_batch_columns
-from .chat import validate_messages
-from .errors import ClosedError, ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
-from .protocol import LeaseKind
-from .timings import PoolTimings
-from .lease import LeaseMetadata, Prepared, _as_messages, context_params, prepare, profile_timings
-from .profiles import Profile, RequestSettings, int_in as _int_in
+from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
+from .lifetime import Lifetime
+from .profiles import Profile, int_in as _int_in
+from .protocol import Done, Lease, LeaseKind, Pieces
+from .requests import Prepared, as_messages, context_params, new_job, prepare
 from .response import Response
-from .runner import Job, validate_only
+from .runner import Job, validated_response
 from .scheduler import Outbox, Request, Scheduler, SchedulerStats
-from .stream import Stream
 from .summary import MemorySummary, memory_summary
+from .timings import PoolTimings
 from .weights import SharedWeights
 
 __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT"]
@@ -73,7 +69,7 @@ def with_batching(model: Any, max_sequences: int) -> "BatchingModel":
     return model.with_batching(max_sequences)
 
 
-class BatchingModel(LeaseMetadata):
+class BatchingModel(Lease):
     """A throughput lease: concurrent requests share one context and one scheduler thread.
 
     Create it with ``model.with_batching(max_sequences)``. Requests take the
@@ -107,15 +103,16 @@ class BatchingModel(LeaseMetadata):
                 f"max_sequences ({settings.max_sequences}) must be <= the context ({context}): each sequence "
                 "gets an equal share of the context's cells"
             )
-        weights.retain()
-        ctx = batch = None
-        try:
-            # One KV stream per sequence: cells stay in position order, so output equals a solo run.
-            params = dataclasses.replace(
-                context_params(weights, profile, n_seq_max=settings.max_sequences), kv_unified=False
-            )
+        # One KV stream per sequence: cells stay in position order, so output equals a solo run.
+        params = context_params(weights, profile, n_seq_max=settings.max_sequences, kv_unified=False)
+        life = Lifetime("batching lease", exclusive=False)
+        with life.building() as stack:
+            weights.retain()
+            stack.callback(weights.release)
             ctx = NativeContext(weights.native, params)
+            stack.callback(ctx.free)
             batch = Batch(params.n_batch, 1)
+            stack.callback(batch.free)
             scheduler = Scheduler(
                 model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
                 batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
@@ -123,20 +120,18 @@ class BatchingModel(LeaseMetadata):
                 pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
                 name=f"aner-scheduler-{weights.facts.name}",
             )
-        except BaseException:
-            for owner in (batch, ctx):
-                if owner is not None:
-                    owner.free()
-            weights.release()
-            raise
+            # The scheduler thread now owns the context, the batch and the weights' hold: it frees
+            # them when it exits. The lease only asks it to stop.
+            stack.pop_all()
+            stack.callback(scheduler.shutdown, wait=False)
         self._weights = weights
         self._profile = profile.with_(max_sequences=settings.max_sequences)
         self._settings = settings
         self._params = params
         self._scheduler = scheduler
+        self._lifetime = life
         # The scheduler must not reference the lease, or the lease could never be collected.
-        self._finalizer = weakref.finalize(self, scheduler.shutdown, wait=False)
-        self._finalizer.atexit = True
+        self._finalizer = life.watch(self)
 
     # -- metadata (shared metadata comes from LeaseMetadata) --------------------
     @property
@@ -166,6 +161,7 @@ class BatchingModel(LeaseMetadata):
     # -- lifetime -------------------------------------------------------------
     def close(self) -> None:
         """Reject new requests, finish accepted ones, then free the context and join the thread."""
+        self._lifetime.close()
         self._scheduler.shutdown(wait=True)
 
     @property
@@ -197,82 +193,51 @@ class BatchingModel(LeaseMetadata):
     def with_batching(self, *args: Any, **kwargs: Any) -> Any:
         raise self._no_builder("with_batching()")
 
-    # -- requests ---------------------------------------------------------------
-    def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Any = None,
-        on_text: Callable[[str], None] | None = None,
-    ) -> Response:
-        """Answer one user message; blocks until this request's sequence finishes."""
-        prepared = self._prepare(_as_messages(prompt, strict_str=True), max_tokens, temperature, seed, stop)
-        return self._await(self._submit(prepared, on_text=on_text))
+    # -- requests: the protocol's two steps ----------------------------------------
+    # ``generate``/``chat`` block until this request's sequence finishes; ``on_text`` runs on the
+    # scheduler thread with each newly final piece. ``stream`` pieces wait in a small per-request
+    # buffer; while it is full the sequence pauses (others continue), and ``cancel()`` or Ctrl-C
+    # ends only this sequence.
+    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+        self._lifetime.check_open("a request")
+        note = (
+            f" (this batching lease splits its context of {self.context} cells between {self.max_sequences} "
+            f"sequences, {self.sequence_context} each; use fewer sequences or load with a larger context)"
+        )
+        return prepare(self._weights, messages, options, context=self.sequence_context, context_note=note)
 
-    def chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Any = None,
-        on_text: Callable[[str], None] | None = None,
-    ) -> Response:
-        """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]``."""
-        prepared = self._prepare(validate_messages(messages), max_tokens, temperature, seed, stop)
-        return self._await(self._submit(prepared, on_text=on_text))
+    def _submit(
+        self, prepared: Prepared, job: Job, on_text: Callable[[str], None] | None, streaming: bool
+    ) -> tuple[Pieces, Done]:
+        req = self._enqueue(job, on_text=on_text, streaming=streaming)
+        return (_pieces(req) if streaming else _awaited(req)), req.settle
 
-    def stream(
-        self,
-        prompt: "str | Sequence[Mapping[str, Any]]",
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Any = None,
-    ) -> Stream:
-        """Yield verified pieces as this sequence produces them.
-
-        Pieces wait in a small per-request buffer; while it is full the
-        sequence pauses (others continue). ``cancel()`` or Ctrl-C ends only
-        this sequence.
-        """
-        prepared = self._prepare(_as_messages(prompt), max_tokens, temperature, seed, stop)
-        job = self._job(prepared)
-        if prepared.request.max_tokens == 0:
-            return Stream(validate_only(job), job, lambda ok: None)
-        job.add(PoolTimings(cached_input_tokens=0))
+    def _enqueue(
+        self, job: Job, *, on_text: Callable[[str], None] | None = None, streaming: bool = False, block: bool = False
+    ) -> Request:
+        job.add(PoolTimings(cached_input_tokens=0))  # no pool: every prompt is evaluated
         s = self._scheduler
-        outbox = Outbox(self._settings.stream_buffer, s.wake, s.guard)
-        req = s.submit(Request(job, outbox=outbox))
-        return Stream(_pieces(req), job, req.settle)
+        outbox = Outbox(self._settings.stream_buffer, s.wake, s.guard) if streaming else None
+        return s.submit(Request(job, outbox=outbox, on_text=on_text), block=block)
 
     def generate_many(
-        self,
-        prompts: Sequence["str | Sequence[Mapping[str, Any]]"],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop: Any = None,
+        self, prompts: Sequence["str | Sequence[Mapping[str, Any]]"], **options: Any
     ) -> list[Response]:
-        """Submit every prompt concurrently and return the responses in order.
+        """Submit every prompt concurrently and return the responses in order (options as ``generate``).
 
         All prompts are validated before any is submitted. Submission waits
         for queue room instead of failing, so lists longer than the queue
         work; a failed request raises its error once all have ended.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InvalidRequestError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-        prepared = [self._prepare(_as_messages(p), max_tokens, temperature, seed, stop) for p in prompts]
+            raise InvalidRequestError(
+                f"prompts must be a list of prompts, got {type(prompts).__name__}", param="prompts"
+            )
+        jobs = [self._job(self._prepare(as_messages(p), options)) for p in prompts]
         requests: list[Request | Response] = []
         try:
-            for p in prepared:
-                requests.append(self._submit(p, block=True))
+            for job in jobs:
+                requests.append(validated_response(job) if job.request.max_tokens == 0 else self._enqueue(job, block=True))
             for r in requests:
                 if isinstance(r, Request):
                     r.wait()
@@ -286,46 +251,8 @@ class BatchingModel(LeaseMetadata):
             raise
         return [r.result() if isinstance(r, Request) else r for r in requests]
 
-    def _prepare(self, messages: Any, max_tokens: Any, temperature: Any, seed: Any, stop: Any) -> Prepared:
-        t_call = time.perf_counter_ns()
-        if self.closed:
-            raise ClosedError("this batching lease is closed; requests are not accepted (derive a new one)")
-        request = RequestSettings.of(max_tokens, temperature, seed, stop)
-        try:
-            return prepare(self._weights, messages, self.sequence_context, request, t_call)
-        except ContextOverflowError as exc:
-            raise ContextOverflowError(
-                f"{exc} (this batching lease splits its context of {self.context} cells between "
-                f"{self.max_sequences} sequences, {self.sequence_context} each; use fewer sequences or "
-                "load with a larger context)"
-            ) from None
-
     def _job(self, prepared: Prepared) -> Job:
-        job = Job(prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=self.name)
-        job.add(profile_timings(self._params, self._profile))
-        return job
-
-    def _submit(
-        self, prepared: Prepared, *, on_text: Callable[[str], None] | None = None, block: bool = False
-    ) -> "Request | Response":
-        if on_text is not None and not callable(on_text):
-            raise InvalidRequestError(f"on_text must be a callable taking a str, got {type(on_text).__name__}")
-        job = self._job(prepared)
-        if prepared.request.max_tokens == 0:
-            return _drain(validate_only(job))  # validated; no queue, no KV
-        job.add(PoolTimings(cached_input_tokens=0))  # no pool: every prompt is evaluated
-        return self._scheduler.submit(Request(job, on_text=on_text), block=block)
-
-    def _await(self, req: "Request | Response") -> Response:
-        if isinstance(req, Response):
-            return req
-        try:
-            req.wait()
-        except BaseException:  # KeyboardInterrupt: cancel this sequence only, then re-raise
-            req.cancel()
-            req.wait()
-            raise
-        return req.result()
+        return new_job(prepared, self._params, self._profile, self.name)
 
     # -- summaries -----------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -356,9 +283,9 @@ def _pieces(req: Request) -> Generator[str, None, Response]:
     return req.result()
 
 
-def _drain(gen: Generator[str, None, Response]) -> Response:
-    try:
-        while True:
-            next(gen)
-    except StopIteration as stop:
-        return stop.value
+def _awaited(req: Request) -> Generator[str, None, Response]:
+    """A blocking request as a generator with no pieces (``on_text`` delivers them on the scheduler thread)."""
+    req.wait()  # Ctrl-C here ends the generator; the end callback (``settle``) cancels this sequence only
+    return req.result()
+    yield  # pragma: no cover - makes this a generator
+

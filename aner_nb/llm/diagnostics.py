@@ -24,7 +24,8 @@ import numpy as np
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext
 from .errors import EngineError
-from .lease import LLMModel, _as_messages, context_params
+from .lease import LLMModel
+from .requests import as_messages, context_params
 from .runner import prefill
 
 __all__ = ["BatchShape", "Divergence", "first_divergence", "is_near_tie"]
@@ -114,7 +115,7 @@ def first_divergence(
     eos = model._weights.native.eos
     token_a = a[position] if position < len(a) else eos
     token_b = b[position] if position < len(b) else eos
-    prompt_tokens = model.prompt_tokens(_as_messages(prompt))
+    prompt_tokens = model.prompt_tokens(as_messages(prompt))
     plain, perturbation = _measure(model, prompt_tokens, a[:position], shape)
     order = np.argsort(plain)[::-1]
     logit_a, logit_b = float(plain[token_a]), float(plain[token_b])

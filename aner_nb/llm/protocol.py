@@ -1,44 +1,72 @@
 """The one lease protocol: what every kind of lease offers, written once.
 
-A lease is something a user submits requests to: an ordinary or latency
-lease (:class:`~aner_nb.llm.lease.LLMModel`), an adapter lease, a batching
-lease (:class:`~aner_nb.llm.batching.BatchingModel`) or a conversation
+A lease is something a user submits requests to: an ordinary, latency or
+adapter lease (:class:`~aner_nb.llm.lease.LLMModel`), a batching lease
+(:class:`~aner_nb.llm.batching.BatchingModel`) or a conversation
 (:class:`~aner_nb.llm.session.Session`). Consumers (magics, the HTTP service,
 widgets, benchmarks) switch on :attr:`Lease.kind` and :meth:`Lease.supports`,
 never on class or module names.
+
+``generate``, ``chat`` and ``stream`` are written here once. Each kind
+supplies two steps: ``_prepare`` (its context limit and rules, through
+:func:`aner_nb.llm.requests.prepare`) and ``_submit`` (how a prepared job
+runs: on a pooled context, on the session's context, or on the batching
+scheduler), which returns the request's piece generator and its end
+callback. A request with ``max_tokens=0`` is validated and answered here
+without touching a context.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Sequence, get_args
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidRequestError
+from .memory import kv_estimate
+from .requests import Prepared, as_messages, new_job, prompt_token_ids
+from .runner import Job, validate_only
+from .stream import Stream
+from .chat import validate_messages
 
-__all__ = ["Lease", "LeaseKind", "KINDS", "FEATURES"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ._engine import ContextParams
+    from .artifact import ModelFacts
+    from .lifetime import Lifetime
+    from .profiles import Profile
+    from .requests import RequestOptions
+    from .response import Response
+    from .weights import LoadSummary, SharedWeights
+
+__all__ = ["Lease", "LeaseKind", "KINDS", "FEATURES", "Pieces", "Done"]
 
 LeaseKind = Literal["ordinary", "latency", "adapter", "throughput", "session"]
 KINDS: tuple[str, ...] = get_args(LeaseKind)
 FEATURES = ("generate", "chat", "stream", "session", "prefix_cache", "speculative", "continuous_batching", "adapter")
 
+Pieces = Generator[str, None, "Response"]  # verified text pieces; returns the final Response
+Done = Callable[[bool], None]  # the request's end callback; True when it ran to its end
+
 
 class Lease(ABC):
-    """What every lease kind offers: its kind, its features, and its lifetime."""
+    """What every lease kind offers: its kind and features, requests, metadata, and its lifetime.
 
+    Subclasses set ``_weights``, ``_profile``, ``_params`` and ``_lifetime``
+    and implement ``kind``, ``_features``, ``_prepare`` and ``_submit``.
+    """
+
+    _weights: "SharedWeights"
+    _profile: "Profile"
+    _params: "ContextParams"
+    _lifetime: "Lifetime"
+
+    # -- what kind of lease -------------------------------------------------------
     @property
     @abstractmethod
     def kind(self) -> LeaseKind:
         """``ordinary``, ``latency`` (prefix cache or speculation), ``adapter`` (applies a LoRA adapter),
         ``throughput`` (continuous batching) or ``session`` (a conversation keeping its KV)."""
-
-    @property
-    @abstractmethod
-    def closed(self) -> bool:
-        """Whether the lease still accepts requests."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Reject new requests; accepted ones finish, then native memory is released."""
 
     @abstractmethod
     def _features(self) -> frozenset[str]:
@@ -47,11 +75,174 @@ class Lease(ABC):
     def supports(self, feature: str) -> bool:
         """Whether this lease can do ``feature`` now (one of FEATURES); closed leases support nothing."""
         if feature not in FEATURES:
-            raise ConfigurationError(f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}", param="feature")
+            raise ConfigurationError(
+                f"unknown feature {feature!r}; known features: {', '.join(FEATURES)}", param="feature"
+            )
         return not self.closed and feature in self._features()
 
-    def __enter__(self) -> "Lease":
+    # -- lifetime -------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._lifetime.closed
+
+    def close(self) -> None:
+        """Reject new requests; a running request finishes, then native memory is released."""
+        self._lifetime.close()
+
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # -- requests: written once for every kind ----------------------------------------
+    def generate(
+        self, prompt: str, *, on_text: Callable[[str], None] | None = None, **options: "Unpack[RequestOptions]"
+    ) -> "Response":
+        """Answer one user message formatted with the chat template.
+
+        Options: ``max_tokens`` (0..65536, default 256; 0 only validates),
+        ``temperature`` (0..2, default 0 = greedy), ``seed`` (0..2**32-1),
+        ``stop`` (a string or up to 16). ``on_text`` is called with each
+        newly final piece of text.
+        """
+        return self._run(self._prepare(as_messages(prompt, strict_str=True), options), on_text)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        on_text: Callable[[str], None] | None = None,
+        **options: "Unpack[RequestOptions]",
+    ) -> "Response":
+        """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]`` (options as ``generate``)."""
+        return self._run(self._prepare(validate_messages(messages), options), on_text)
+
+    def stream(self, prompt: "str | Sequence[Mapping[str, Any]]", **options: "Unpack[RequestOptions]") -> Stream:
+        """Like ``generate``/``chat`` but yields verified text pieces; see :class:`Stream`."""
+        prepared = self._prepare(as_messages(prompt), options)
+        return Stream(*self._start(prepared, None, streaming=True))
+
+    @abstractmethod
+    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+        """Check and tokenize one request against this lease's rules and context."""
+
+    @abstractmethod
+    def _submit(
+        self, prepared: Prepared, job: Job, on_text: Callable[[str], None] | None, streaming: bool
+    ) -> tuple[Pieces, Done]:
+        """Start a prepared job (``max_tokens`` > 0): its piece generator and its end callback."""
+
+    def _start(
+        self, prepared: Prepared, on_text: Callable[[str], None] | None, *, streaming: bool = False
+    ) -> tuple[Pieces, Job, Done]:
+        if on_text is not None and not callable(on_text):
+            raise InvalidRequestError(
+                f"on_text must be a callable taking a str, got {type(on_text).__name__}", param="on_text"
+            )
+        job = new_job(prepared, self._params, self._profile, self.name)
+        life = self._lifetime
+        life.begin("stream()" if streaming else "generate()")
+        if prepared.request.max_tokens == 0:
+            return validate_only(job), job, lambda ok: life.end()  # validated: no context, no KV
+        try:
+            pieces, done = self._submit(prepared, job, on_text, streaming)
+        except BaseException:
+            life.end()
+            raise
+        if not life.exclusive:
+            return pieces, job, done  # concurrent requests are not tracked by the lifetime: nothing to end
+
+        def end(ok: bool) -> None:
+            try:
+                done(ok)
+            finally:
+                life.end()
+
+        return pieces, job, end
+
+    def _run(self, prepared: Prepared, on_text: Callable[[str], None] | None) -> "Response":
+        """Drain a request's pieces, then end it (KeyboardInterrupt ends it as cancelled and propagates)."""
+        pieces, _, done = self._start(prepared, on_text)
+        ok = False
+        try:
+            while True:
+                next(pieces)
+        except StopIteration as stop:
+            ok = True
+            return stop.value
+        finally:
+            done(ok)
+
+    # -- metadata, readable after close ------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._weights.facts.name
+
+    @property
+    def architecture(self) -> str:
+        return self._weights.facts.architecture
+
+    @property
+    def fingerprint(self) -> str:
+        return self._weights.fingerprint
+
+    @property
+    def context(self) -> int:
+        return self._weights.settings.context
+
+    @property
+    def device(self) -> str:
+        return self._weights.device
+
+    @property
+    def path(self) -> str:
+        return self._weights.facts.path
+
+    @property
+    def profile(self) -> "Profile":
+        return self._profile
+
+    @property
+    def facts(self) -> "ModelFacts":
+        """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
+        return self._weights.facts
+
+    @property
+    def chat_template(self) -> str:
+        """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
+        return self._weights.template.origin
+
+    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
+        """The exact token ids a request with this prompt (or message list) evaluates."""
+        return prompt_token_ids(self._weights, as_messages(prompt))
+
+    def load_summary(self) -> "LoadSummary":
+        return self._weights.summary
+
+    def _context_kv_bytes(self) -> int:
+        """KV estimate of one context of this lease's size and KV type."""
+        facts = self._weights.facts
+        return kv_estimate(
+            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
+            self._weights.settings.kv_cache_type,
+        )
+
+
+def with_text_callback(pieces: Pieces, on_text: Callable[[str], None] | None) -> Pieces:
+    """``pieces``, calling ``on_text`` with each one on the consuming thread (no callback: unchanged)."""
+    if on_text is None:
+        return pieces
+
+    def relay() -> Pieces:
+        try:
+            while True:
+                piece = next(pieces)
+                on_text(piece)
+                yield piece
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            pieces.close()
+
+    return relay()

@@ -26,7 +26,7 @@ from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, 
 from .lookup import DraftPolicy, NgramIndex
 from .text import TextAssembler
 
-__all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only"]
+__all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only", "validated_response"]
 
 _now = time.perf_counter_ns
 
@@ -150,13 +150,18 @@ class SequenceOutput:
         return response
 
 
-def validate_only(job: Job) -> Generator[str, None, Response]:
+def validated_response(job: Job) -> Response:
     """``max_tokens=0``: the request was validated; nothing touches a context or the KV."""
     out = SequenceOutput(None, job)
     out.evaluated_prompt_tokens = 0
     job.add(PoolTimings(cached_input_tokens=0))  # exactly none: no context was acquired
     return out.response("length")
-    yield  # pragma: no cover - makes this a generator like run_request
+
+
+def validate_only(job: Job) -> Generator[str, None, Response]:
+    """:func:`validated_response` as a generator with no pieces, like :func:`run_request`."""
+    return validated_response(job)
+    yield  # pragma: no cover - makes this a generator
 
 
 def prefill(ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int) -> int:

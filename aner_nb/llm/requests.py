@@ -1,0 +1,206 @@
+"""Request preparation: the one place a request is checked, formatted and turned into a job.
+
+Every lease kind (ordinary, latency, adapter, batching, session) prepares a
+request here before it runs it: the options become :class:`RequestSettings`
+(each bound checked once, errors naming the option in ``param``), messages
+are normalised and rendered with the chat template, the prompt is
+tokenized, and prompt plus ``max_tokens`` must fit the lease's context.
+Adding a request option means a field and its check on
+:class:`~aner_nb.llm.profiles.RequestSettings` and a key in
+:class:`RequestOptions`; nothing else changes shape.
+
+The engine settings a lease's contexts get (:func:`context_params`) and the
+timings part describing them (:func:`profile_timings`) live here too, so
+every lease kind derives them by the same rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
+
+from ._engine import ContextParams, default_threads
+from .chat import validate_messages
+from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
+from .profiles import Profile, RequestSettings
+from .runner import Job
+from .timings import ProfileTimings
+
+if TYPE_CHECKING:
+    from .adapters import SharedAdapter
+    from .weights import SharedWeights
+
+__all__ = [
+    "RequestOptions",
+    "REQUEST_OPTIONS",
+    "Prepared",
+    "as_messages",
+    "request_settings",
+    "prompt_token_ids",
+    "prepare",
+    "new_job",
+    "engine_threads",
+    "context_params",
+    "profile_timings",
+]
+
+REQUEST_OPTIONS = tuple(f.name for f in dataclasses.fields(RequestSettings))
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword options every request method takes (see RequestSettings for bounds)."""
+
+    max_tokens: int
+    temperature: float
+    seed: int
+    stop: "str | Sequence[str] | None"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: its settings, its messages and the exact prompt tokens to evaluate."""
+
+    request: RequestSettings
+    messages: tuple[dict[str, str], ...]
+    tokens: tuple[int, ...]
+    t_call: int  # perf_counter_ns when the caller entered the request method
+
+
+def as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict[str, str], ...]:
+    """A prompt string as one user message, or a checked message list (``strict_str``: strings only)."""
+    if isinstance(prompt, str):
+        return validate_messages([{"role": "user", "content": prompt}])
+    if strict_str:
+        raise InvalidRequestError(
+            f"prompt must be a string, got {type(prompt).__name__}; use chat(messages) for a message list",
+            param="prompt",
+        )
+    return validate_messages(prompt)
+
+
+def request_settings(options: Mapping[str, Any]) -> RequestSettings:
+    """The checked settings of one request; an unknown option is refused by name."""
+    unknown = sorted(set(options) - set(REQUEST_OPTIONS))
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown request option {unknown[0]!r}; the options are {', '.join(REQUEST_OPTIONS)}", param=unknown[0]
+        )
+    return RequestSettings(**options)
+
+
+def prompt_token_ids(weights: "SharedWeights", messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Render the chat template and tokenize; special-token text (e.g. ``<bos>``) is parsed.
+
+    The template writes BOS itself when the model family wants one, so no
+    special tokens are added on top.
+    """
+    text = weights.template.render(messages, add_generation_prompt=True)
+    return weights.native.tokenize(text, add_special=False, parse_special=True)
+
+
+def prepare(
+    weights: "SharedWeights",
+    messages: tuple[dict[str, str], ...],
+    options: Mapping[str, Any],
+    *,
+    context: int,
+    greedy_only: bool = False,
+    context_note: str = "",
+    t_call: int | None = None,
+) -> Prepared:
+    """Check the options, format and tokenize the messages, and check that prompt plus output fit ``context``.
+
+    ``greedy_only`` refuses sampling (a speculative lease verifies greedy
+    choices); ``context_note`` explains a lease-specific context limit in the
+    overflow message.
+    """
+    t_call = time.perf_counter_ns() if t_call is None else t_call
+    request = request_settings(options)
+    if greedy_only and not request.greedy:
+        raise InvalidRequestError(
+            f"temperature={request.temperature} is not allowed on a speculative lease: prompt-lookup "
+            "verification is greedy; use temperature=0, or a lease without speculative_tokens",
+            param="temperature",
+        )
+    tokens = prompt_token_ids(weights, messages)
+    if not tokens:
+        raise ContextOverflowError(
+            "the formatted prompt is empty; a request needs at least one prompt token", param="messages"
+        )
+    if len(tokens) + request.max_tokens > context:
+        room = context - len(tokens)
+        advice = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
+        raise ContextOverflowError(
+            f"prompt of {len(tokens)} tokens plus max_tokens={request.max_tokens} is "
+            f"{len(tokens) + request.max_tokens}, above the context of {context}; {advice} "
+            f"(nothing is truncated){context_note}",
+            param="max_tokens" if room > 0 else "messages",
+        )
+    return Prepared(request, messages, tuple(tokens), t_call)
+
+
+def new_job(prepared: Prepared, params: ContextParams, profile: Profile, model_name: str) -> Job:
+    """The job of a prepared request, carrying the profile's timings part."""
+    job = Job(prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=model_name)
+    job.add(profile_timings(params, profile))
+    return job
+
+
+def engine_threads(profile: Profile) -> tuple[int, int]:
+    """``(n_threads, n_threads_batch)`` a profile's contexts get: its own, or the engine default for 0."""
+    threads, prefill = default_threads()
+    opt = profile.optimizer
+    return opt.threads or threads, opt.prefill_threads or prefill
+
+
+def context_params(
+    weights: "SharedWeights",
+    profile: Profile,
+    *,
+    n_seq_max: int = 1,
+    swa_full: bool = False,
+    adapter: "SharedAdapter | None" = None,
+    kv_unified: bool = True,
+) -> ContextParams:
+    """The explicit context parameters of a lease's contexts, including the adapter they apply.
+
+    A profile naming an adapter needs that adapter here, so no caller can
+    silently create adapter-less contexts for it.
+    """
+    if profile.adapter != (adapter.sha256 if adapter is not None else None):
+        raise ConfigurationError(
+            f"this profile applies adapter {profile.adapter!r} but the contexts were asked for "
+            f"{adapter.sha256 if adapter is not None else None!r}; an adapter profile's contexts must apply its adapter"
+        )
+    opt = profile.optimizer
+    threads, prefill = engine_threads(profile)
+    settings = weights.settings
+    return ContextParams(
+        n_ctx=settings.context,
+        n_batch=opt.batch_tokens,
+        n_ubatch=opt.micro_batch_tokens,
+        n_seq_max=n_seq_max,
+        n_threads=threads,
+        n_threads_batch=prefill,
+        kv_cache_type=settings.kv_cache_type,
+        flash_attention=settings.flash_attention,
+        swa_full=swa_full,
+        kv_unified=kv_unified,
+        offload=weights.device != "cpu",
+        adapter=adapter.native if adapter is not None else None,
+    )
+
+
+def profile_timings(params: ContextParams, profile: Profile) -> ProfileTimings:
+    """The timings part that describes the configuration the request ran with."""
+    opt = profile.optimizer
+    return ProfileTimings(
+        threads=params.n_threads,
+        prefill_threads=params.n_threads_batch,
+        batch_tokens=params.n_batch,
+        micro_batch_tokens=params.n_ubatch,
+        speculative_tokens=opt.speculative_tokens,
+        prefix_cache_capacity=opt.prefix_cache_entries,
+    )
