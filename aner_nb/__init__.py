@@ -6,9 +6,8 @@ is the plain library underneath them.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import llm  # noqa: E402
+from . import llm
+from ._version import __version__
 
 __all__ = ["llm", "__version__", "load_ipython_extension", "unload_ipython_extension"]
 

@@ -100,17 +100,17 @@ class Timings:
     def assemble(cls, *parts: "TimingsPart") -> "Timings":
         """One Timings from the parts of its producers; a field set by two parts is an error."""
         values: dict[str, int] = {}
-        owner: dict[str, str] = {}
+        owner: dict[str, type] = {}
         for part in parts:
             if not isinstance(part, TimingsPart):
                 raise TypeError(f"Timings.assemble takes timings parts, got {type(part).__name__}")
             for name, value in part.values().items():
                 if name in owner:
                     raise ValueError(
-                        f"Timings.{name} is set by both {owner[name]} and {type(part).__name__}; "
+                        f"Timings.{name} is set by both {owner[name].__name__} and {type(part).__name__}; "
                         "each field has exactly one producer"
                     )
-                owner[name] = type(part).__name__
+                owner[name] = type(part)
                 values[name] = value
         return cls(**values)
 
