@@ -392,9 +392,6 @@ class NativeContext(_Owner):
             "n_ctx": int(lib.llama_n_ctx(ptr)),
         }
 
-    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
-        self._lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
-
     # -- KV memory: positions are per sequence; p1 < 0 means "to the end" ----
     def clear(self) -> None:
         self._lib.llama_memory_clear(self._mem, False)
@@ -425,15 +422,6 @@ class NativeContext(_Owner):
 
     def seq_pos_min(self, seq: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
-
-    def perf(self) -> dict[str, float]:
-        data = self._lib.llama_perf_context(self.ptr)
-        return {
-            "t_p_eval_ms": data.t_p_eval_ms,
-            "t_eval_ms": data.t_eval_ms,
-            "n_p_eval": data.n_p_eval,
-            "n_eval": data.n_eval,
-        }
 
 
 class NativeAdapter(_Owner):

@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from .timings import NOT_MEASURED, Timings
+from .timings import NOT_MEASURED, Timings, timing_fields
 
 __all__ = ["Timings", "Usage", "Response", "NOT_MEASURED", "output_hash", "FINISH_REASONS"]
 
@@ -100,26 +100,22 @@ class Response:
         return frame
 
     def _repr_html_(self) -> str:
+        """The text and the request's run timings (labels and units from the Timings fields' metadata)."""
         t = self.timings
 
-        def ms(value: int) -> str:
-            return "–" if value < 0 else f"{value / 1e6:.1f} ms"
-
-        def count(value: int) -> str:
-            return "–" if value < 0 else str(value)
+        def shown(value: int, unit: str) -> str:
+            if value < 0:
+                return "–"
+            return f"{value / 1e6:.1f} ms" if unit == "ns" else str(value)
 
         tps = self.tokens_per_second()
-        rows = [
-            ("finish", html.escape(self.finish_reason)),
-            ("prompt tokens", count(t.prompt_tokens)),
-            ("cached input tokens", count(t.cached_input_tokens)),
-            ("generated tokens", count(t.generated_tokens)),
-            ("prefill", ms(t.prompt_eval_duration)),
-            ("first token", ms(t.first_token_duration)),
-            ("decode", ms(t.decode_duration)),
-            ("total", ms(t.total_duration)),
-            ("tokens/s", "–" if tps < 0 else f"{tps:.1f}"),
+        rows = [("finish", html.escape(self.finish_reason))]
+        rows += [
+            (f.metadata["label"], shown(getattr(t, f.name), f.metadata["unit"]))
+            for f in timing_fields()
+            if f.metadata["part"] == "run" or f.name == "cached_input_tokens"
         ]
+        rows.append(("tokens/s", "–" if tps < 0 else f"{tps:.1f}"))
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
         text = html.escape(self.text)
         return (
