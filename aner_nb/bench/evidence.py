@@ -83,23 +83,22 @@ def environment() -> dict[str, Any]:
 
 def lease_settings(model: Any) -> dict[str, Any]:
     """The engine settings a lease's contexts are created with, resolved (no ``0 = default`` left)."""
-    from ..llm.requests import engine_threads
+    from ..llm import Lease
 
-    weights = getattr(model, "_weights", None)
-    profile = getattr(model, "profile", None)
-    if weights is None or profile is None:
+    if not isinstance(model, Lease):
         return {}
-    n_threads, n_threads_batch = engine_threads(profile)
+    params, load = model.context_params, model.load_summary()
     return {
-        "context": weights.settings.context,
-        "kv_cache_type": weights.settings.kv_cache_type,
-        "flash_attention": weights.settings.flash_attention,
-        "cpu_extra_buffers": weights.summary.cpu_extra_buffers,
-        "n_threads": n_threads,
-        "n_threads_batch": n_threads_batch,
-        "n_batch": profile.optimizer.batch_tokens,
-        "n_ubatch": profile.optimizer.micro_batch_tokens,
-        "profile": dataclasses.asdict(profile) if dataclasses.is_dataclass(profile) else repr(profile),
+        "context": model.context,
+        "kv_cache_type": params.kv_cache_type,
+        "flash_attention": params.flash_attention,
+        "cpu_extra_buffers": load.cpu_extra_buffers,
+        "n_threads": params.n_threads,
+        "n_threads_batch": params.n_threads_batch,
+        "n_batch": params.n_batch,
+        "n_ubatch": params.n_ubatch,
+        "kind": model.kind,
+        "profile": dataclasses.asdict(model.profile),
     }
 
 

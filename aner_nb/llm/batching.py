@@ -133,7 +133,7 @@ class BatchingModel(Lease):
         # The scheduler must not reference the lease, or the lease could never be collected.
         self._finalizer = life.watch(self)
 
-    # -- metadata (shared metadata comes from LeaseMetadata) --------------------
+    # -- metadata (the shared metadata comes from the Lease protocol) --------------------
     @property
     def sequence_context(self) -> int:
         """Cells each sequence may use: a request's prompt plus max_tokens must fit them."""

@@ -79,7 +79,7 @@ class LLMModel(Lease):
         self._profile = profile
         self._params = params
         self._adapter = adapter
-        self._state = _Owned(pool, adapter)
+        self._state = _Owned(pool, adapter)  # the finalizer holds the lifetime, never the lease
         self._lifetime = life
         self._finalizer = life.watch(self)
 
@@ -92,7 +92,7 @@ class LLMModel(Lease):
         state = "closed" if self.closed else "open"
         adapter = f" adapter={self._adapter.sha256[:12]}" if self._adapter is not None else ""
         return (
-            f"<LLMModel {self.name!r} {self.architecture} {self._profile.kind} ctx={self.context} "
+            f"<LLMModel {self.name!r} {self.architecture} {self.kind} ctx={self.context} "
             f"device={self.device} sha256={self.fingerprint[:12]}{adapter} {state}>"
         )
 

@@ -204,6 +204,11 @@ class Lease(ABC):
         return self._profile
 
     @property
+    def context_params(self) -> "ContextParams":
+        """The resolved engine settings of this lease's contexts (threads, batch sizes, KV type...)."""
+        return self._params
+
+    @property
     def facts(self) -> "ModelFacts":
         """What the GGUF header declares (layers, KV heads, head dims, window...), for KV arithmetic."""
         return self._weights.facts
