@@ -1,4 +1,4 @@
-"""The batching step policy, without a model: admission, budget sharing, row layout, compaction.
+"""The batching step policy, without a model: admission, budget sharing, row layout, compaction, padding.
 
 These are the pure functions of ``aner_nb.llm.scheduler``; the scheduler
 thread that applies them to the engine is tested in ``test_batching.py``.
@@ -6,6 +6,7 @@ thread that applies them to the engine is tested in ``test_batching.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -13,15 +14,20 @@ from hypothesis import given, settings, strategies as st
 
 from aner_nb.llm import errors
 from aner_nb.llm.scheduler import (
+    FifoAdmission,
     Outbox,
+    Rows,
+    SchedulerStats,
     StepPlan,
     admit_count,
     compaction_moves,
     kv_victim,
     next_sequence_id,
     output_rows,
+    plan_batch,
     plan_step,
     share_budget,
+    stat_fields,
 )
 
 
@@ -29,6 +35,20 @@ from aner_nb.llm.scheduler import (
 @given(st.integers(0, 20), st.integers(0, 64))
 def test_admission_takes_the_oldest_requests_one_per_free_sequence(waiting, free):
     assert admit_count(waiting, free) == min(waiting, free)
+
+
+def test_fifo_admission_starts_the_oldest_requests_in_order():
+    fifo = FifoAdmission()
+    assert fifo.admit(["a", "b", "c"], [4, 7]) == ("a", "b")  # the oldest first, one per free id
+    assert fifo.admit(["a"], [0, 1, 2]) == ("a",)
+    assert fifo.admit(["a", "b"], []) == ()
+    assert fifo.admit([], [0]) == ()
+
+
+@given(st.lists(st.integers(), unique=True, max_size=20), st.sets(st.integers(0, 63)))
+def test_fifo_admission_is_a_prefix_of_the_queue(waiting, free):
+    chosen = FifoAdmission().admit(waiting, sorted(free))
+    assert list(chosen) == waiting[: admit_count(len(waiting), len(free))]
 
 
 # -- sharing the prefill budget ---------------------------------------------------------
@@ -76,17 +96,20 @@ def test_prefills_without_a_share_are_left_out_of_the_step():
     assert StepPlan((), ()).n_tokens == 0
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    st.integers(1, 64).flatmap(
+def step_inputs(max_ids: int, max_prompt: int, max_budget: int):
+    """(sequence ids in random order, a split point, a prompt length per id, a budget of a row per id at least)."""
+    return st.integers(1, max_ids).flatmap(
         lambda n: st.tuples(
             st.permutations(range(n)),
             st.integers(0, n),
-            st.lists(st.integers(1, 300), min_size=n, max_size=n),
-            st.integers(n, 1024),
+            st.lists(st.integers(1, max_prompt), min_size=n, max_size=n),
+            st.integers(n, max_budget),
         )
     )
-)
+
+
+@settings(max_examples=200, deadline=None)
+@given(step_inputs(64, 300, 1024))
 def test_plans_fit_the_budget_and_never_starve_decoding(args):
     ids, n_decode, prompts, budget = args
     decoding, prefilling = list(ids[:n_decode]), [(s, prompts[s]) for s in ids[n_decode:]]
@@ -99,6 +122,74 @@ def test_plans_fit_the_budget_and_never_starve_decoding(args):
     layout = plan.layout()
     assert [s for s, _ in layout] == sorted(s for s, _ in layout)
     assert sum(n for _, n in layout) == plan.n_tokens
+
+
+# -- the batch of one step, row by row ----------------------------------------------------------
+def test_batch_plan_lays_rows_out_by_sequence_id_and_samples_ends_of_prompts():
+    plan = plan_batch([2, 0], [(1, 3), (3, 50)], batch_tokens=8)
+    assert plan.rows == (
+        Rows(0, 0, 1, "decode", True),
+        Rows(1, 1, 3, "prefill", True),  # the whole rest of its prompt: its last row is sampled
+        Rows(2, 4, 1, "decode", True),
+        Rows(3, 5, 3, "prefill", False),  # a chunk of a longer prompt: no logits
+    )
+    assert plan.sampled == ((0, 0), (1, 3), (2, 4)) and plan.participants == (0, 1, 2, 3)
+    assert plan.n_tokens == plan.step.n_tokens == 8
+    assert not plan.padded and plan.spare_row == plan.pad_seq == -1  # the kernel pairs no columns
+
+
+def test_an_odd_sampled_count_pads_with_an_unsampled_prompt_row_first():
+    # the chunk of sequence 3 (rows 5..7) is not sampled: its last row gets the extra logits
+    plan = plan_batch([2, 0], [(1, 3), (3, 50)], batch_tokens=8, pair_columns=True, free=[4, 5])
+    assert plan.spare_row == 7 and plan.pad_seq == -1 and plan.padded
+    # a prompt that ends here has unsampled rows before its sampled last one
+    plan = plan_batch([2, 0], [(1, 3)], batch_tokens=8, pair_columns=True, free=[3])
+    assert plan.spare_row == 2 and plan.pad_seq == -1 and plan.sampled == ((0, 0), (1, 3), (2, 4))
+
+
+def test_without_a_spare_prompt_row_the_padding_token_takes_an_id_next_to_the_active_ones():
+    plan = plan_batch([1, 2, 3], [], batch_tokens=8, pair_columns=True, active=[1, 2, 3, 5], free=[0, 4, 6, 7])
+    assert plan.pad_seq == 4 and plan.spare_row == -1  # fills the gap between the active ids
+    assert plan.rows[3] == Rows(4, 3, 1, "pad", False)
+    assert plan.sampled == ((1, 0), (2, 1), (3, 2)) and plan.participants == (1, 2, 3)
+    assert plan.n_tokens == 4 and plan.step.n_tokens == 3
+    # the padding token sorts into the middle of the batch: rows after it shift by one
+    plan = plan_batch([0, 2], [(3, 1)], batch_tokens=8, pair_columns=True, free=[1])
+    assert plan.pad_seq == 1 and plan.sampled == ((0, 0), (2, 2), (3, 3))
+
+
+def test_a_step_goes_unpadded_without_a_free_id_or_batch_room():
+    assert not plan_batch([0, 1, 2], [], batch_tokens=8, pair_columns=True, free=[]).padded
+    assert not plan_batch([0, 1, 2], [], batch_tokens=3, pair_columns=True, free=[3]).padded
+    assert not plan_batch([0], [], batch_tokens=3, pair_columns=True, free=[1]).padded  # one row: no pairing
+    assert plan_batch([0, 1], [(2, 1)], batch_tokens=4, pair_columns=True, free=[3]).pad_seq == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(step_inputs(12, 40, 64), st.integers(0, 11), st.booleans())
+def test_batch_plans_sample_exactly_the_right_rows_and_pad_only_where_the_kernel_pairs(args, n_free, pair):
+    ids, n_decode, prompts, budget = args
+    n_active = max(len(ids) - n_free, 1)
+    active, free = list(ids[:n_active]), sorted(ids[n_active:])
+    decoding = active[:n_decode]
+    prefilling = [(s, prompts[s]) for s in active[n_decode:]]
+    plan = plan_batch(decoding, prefilling, budget, pair_columns=pair, active=active, free=free)
+    assert [r.first for r in plan.rows] == [sum(r.count for r in plan.rows[:i]) for i in range(len(plan.rows))]
+    assert [r.seq for r in plan.rows] == sorted(r.seq for r in plan.rows)
+    ending = {s for s, n in plan.step.prefill if n == dict(prefilling)[s]}
+    assert {s for s, _ in plan.sampled} == set(decoding) | ending
+    assert plan.n_tokens == plan.step.n_tokens + (plan.pad_seq >= 0) <= budget
+    want = output_rows(len(plan.sampled), pair)
+    assert len(plan.sampled) + plan.padded in (want, len(plan.sampled))  # padded only where asked for
+    if plan.spare_row >= 0:
+        assert plan.pad_seq < 0 and plan.spare_row not in {row for _, row in plan.sampled}
+        assert any(r.kind == "prefill" and r.first <= plan.spare_row <= r.last for r in plan.rows)
+    if plan.pad_seq >= 0:
+        assert plan.pad_seq in free and plan.pad_seq not in plan.participants
+    if want > len(plan.sampled) and not plan.padded:
+        # no prompt row to spare, and no id or no room for a padding token
+        assert all(r.sampled and r.count == 1 for r in plan.rows)
+        assert not free or plan.n_tokens == budget
 
 
 # -- keeping sequence ids consecutive ---------------------------------------------------------
@@ -175,6 +266,20 @@ def test_column_pairing_is_read_from_the_build_flags(info, expected):
     assert pairs_batch_columns("Q5_0", info) is expected
     assert pairs_batch_columns("Q6_K", info) is False  # not a tinyBLAS Q0 type
     assert pairs_batch_columns(None, info) is False
+
+
+# -- one statistics vocabulary ------------------------------------------------------------------
+def test_scheduler_stats_declare_the_monitor_and_prometheus_names():
+    from aner_nb.widgets.batching import OPTIONAL_STATS_FIELDS, STATS_ALIASES, STATS_FIELDS
+
+    assert STATS_FIELDS == ("active_sequences", "queue_length", "scheduler_steps", "decoded_tokens")
+    assert OPTIONAL_STATS_FIELDS == ("max_sequences", "queue_capacity", "completed_requests")
+    assert STATS_ALIASES["queue_length"] == ("waiting",) and "decoded_tokens" not in STATS_ALIASES
+    metrics = {f.name: (f.metadata["metric"], f.metadata["metric_type"]) for f in stat_fields("metric")}
+    assert metrics["waiting"] == ("aner_queue_length", "gauge")
+    assert metrics["steps"] == ("aner_scheduler_steps_total", "counter")
+    assert len({name for name, _ in metrics.values()}) == len(metrics)
+    assert all(f.metadata["help"] for f in dataclasses.fields(SchedulerStats))
 
 
 # -- the per-request outbox ---------------------------------------------------------------------

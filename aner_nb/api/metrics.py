@@ -4,7 +4,8 @@ Counters live per served model (``MountMetrics``) and are plain integers
 under a lock: cheap to bump from the event loop and from worker threads.
 Gauges (in flight, queue length, active sequences) are read when
 ``/metrics`` is scraped, from the admission gate and the batching
-scheduler's snapshot.
+scheduler's snapshot. The scheduler's families are not listed here: they
+are the ``metric`` metadata of :class:`aner_nb.llm.scheduler.SchedulerStats`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from typing import Any, Iterable
+
+from ..llm.scheduler import stat_fields
 
 __all__ = ["MountMetrics", "render"]
 
@@ -90,16 +93,7 @@ def render(service: MountMetrics, mounts: Iterable[Any]) -> str:
     family("aner_http_capacity", "gauge", "Requests admitted at most at once (workers = running + queued).",
            [(label, m.capacity) for m, label, _, _ in snaps])
     batching = [(label, stats) for _, label, _, stats in snaps if stats is not None]
-    family("aner_queue_length", "gauge", "Requests waiting in the batching scheduler's queue.",
-           [(label, s.waiting) for label, s in batching])
-    family("aner_active_sequences", "gauge", "Sequences decoding in the batching scheduler now.",
-           [(label, s.active) for label, s in batching])
-    family("aner_max_sequences", "gauge", "Sequences the batching scheduler decodes at most at once.",
-           [(label, s.max_sequences) for label, s in batching])
-    family("aner_peak_sequences", "gauge", "Most sequences that shared one scheduler step so far.",
-           [(label, s.peak_sequences) for label, s in batching])
-    family("aner_scheduler_steps_total", "counter", "llama_decode calls of the batching scheduler.",
-           [(label, s.steps) for label, s in batching])
-    family("aner_scheduler_decoded_tokens_total", "counter", "Tokens sampled by the batching scheduler.",
-           [(label, s.decoded_tokens) for label, s in batching])
+    for f in stat_fields("metric"):
+        meta = f.metadata
+        family(meta["metric"], meta["metric_type"], meta["help"], [(label, getattr(s, f.name)) for label, s in batching])
     return "\n".join(lines) + "\n"

@@ -2,16 +2,20 @@
 
 Two parts:
 
-* The step **policy**, plain functions over plain numbers that unit tests
-  exercise without a model: admission (:func:`admit_count`), how a step's
-  token budget is shared (:func:`share_budget`, :func:`plan_step`), how the
-  rows of a step are laid out (:meth:`StepPlan.layout`), which sequence id
-  a request gets (:func:`next_sequence_id`) and which sequences move to close
-  gaps between ids (:func:`compaction_moves`), and which request gives way
-  when the KV has no room (:func:`kv_victim`).
+* The step **policy**, plain functions and frozen objects over plain numbers
+  that unit tests exercise without a model: which queued requests start
+  (:class:`FifoAdmission`, :func:`admit_count`), how a step's token budget is
+  shared (:func:`share_budget`, :func:`plan_step`), the whole batch of one
+  step, row by row (:func:`plan_batch` returning a :class:`BatchPlan`), which
+  sequence id a request gets (:func:`next_sequence_id`) and which sequences
+  move to close gaps between ids (:func:`compaction_moves`), and which
+  request gives way when the KV has no room (:func:`kv_victim`).
 * The :class:`Scheduler`, one thread that owns the context and runs the
   policy against the engine: one ``llama_decode`` per step. Nothing else
-  ever touches the context (a llama.cpp context is not thread safe).
+  ever touches the context (a llama.cpp context is not thread safe). A step
+  is split as in vLLM v1: *plan* (:func:`plan_batch`, pure), *execute* (fill
+  the batch, one ``llama_decode``) and *update* (positions, counters,
+  sampling).
 
 Context split: the context's cells are divided equally between the
 ``max_sequences`` sequence ids, one KV stream each (llama.cpp
@@ -37,19 +41,24 @@ one ignored row where an odd count would cost the CPU kernel an extra pass
 over the output weights (:func:`output_rows`). A finished sequence's cells
 are removed at once and its id admits queued work on the next step, so a
 short request that arrives late can finish before an earlier long one.
-Admission is first in, first out.
+Admission order is a policy object; the default is first in, first out.
+
+The counters a scheduler reports (:class:`SchedulerStats`) are declared once:
+each field's metadata names it for the batching monitor widget and for the
+Prometheus exposition of the HTTP service (:func:`stat_fields`).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampler
 from .errors import BusyError, ClosedError, EngineError
@@ -59,6 +68,10 @@ from .timings import BatchTimings, QueueTimings
 
 __all__ = [
     "StepPlan",
+    "Rows",
+    "BatchPlan",
+    "AdmissionPolicy",
+    "FifoAdmission",
     "SchedulerStats",
     "Outbox",
     "Request",
@@ -66,10 +79,12 @@ __all__ = [
     "admit_count",
     "share_budget",
     "plan_step",
+    "plan_batch",
     "next_sequence_id",
     "compaction_moves",
     "kv_victim",
     "output_rows",
+    "stat_fields",
 ]
 
 log = logging.getLogger("aner_nb.scheduler")
@@ -222,6 +237,120 @@ def output_rows(sampled: int, pair_columns: bool) -> int:
     return sampled
 
 
+T = TypeVar("T")
+
+
+class AdmissionPolicy(Protocol):
+    """Which waiting requests start now; the scheduler calls it under its lock, on its own thread."""
+
+    def admit(self, waiting: Sequence[T], free: Sequence[int]) -> Sequence[T]:
+        """Some of ``waiting`` (oldest first), at most one per id in ``free``, in the order they start."""
+        ...
+
+
+class FifoAdmission:
+    """First in, first out: the oldest waiting requests, one per free sequence id.
+
+    Every queued request fits its sequence's KV share (checked at
+    submission), so the only limit is the number of free sequence ids.
+    """
+
+    def admit(self, waiting: Sequence[T], free: Sequence[int]) -> Sequence[T]:
+        return tuple(waiting)[: admit_count(len(waiting), len(free))]
+
+
+DECODE, PREFILL, PAD = "decode", "prefill", "pad"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The consecutive rows one sequence has in a step's batch."""
+
+    seq: int
+    first: int  # batch index of the first row
+    count: int
+    kind: str  # DECODE: the last sampled token fed back; PREFILL: a prompt chunk; PAD: a throwaway token
+    sampled: bool  # the last row's logits are sampled (a decode row, or a chunk that ends its prompt)
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One step, row by row: what the scheduler writes into the batch before its ``llama_decode``.
+
+    Made by :func:`plan_batch` from plain numbers; the scheduler only fills
+    the batch as it says, runs it and applies the results.
+    """
+
+    step: StepPlan  # the budget decision the rows lay out
+    rows: tuple[Rows, ...]  # in batch order, which is sequence-id order
+    spare_row: int = -1  # a prompt row that is not sampled but gets logits, as the padding row
+    pad_seq: int = -1  # an empty sequence id holding the padding token instead, cleared after the step
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(r.count for r in self.rows)
+
+    @property
+    def sampled(self) -> tuple[tuple[int, int], ...]:
+        """``(sequence id, logits row)`` of every row that is sampled, in batch order."""
+        return tuple((r.seq, r.last) for r in self.rows if r.sampled)
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        """The sequence ids of requests in this step (not the padding sequence)."""
+        return tuple(r.seq for r in self.rows if r.kind != PAD)
+
+    @property
+    def padded(self) -> bool:
+        return self.spare_row >= 0 or self.pad_seq >= 0
+
+
+def plan_batch(
+    decoding: Sequence[int],
+    prefilling: Sequence[tuple[int, int]],
+    batch_tokens: int,
+    *,
+    pair_columns: bool = False,
+    active: Sequence[int] | None = None,
+    free: Sequence[int] = (),
+) -> BatchPlan:
+    """Plan one step's batch: :func:`plan_step`, laid out by sequence id, plus the padding decision.
+
+    ``decoding`` and ``prefilling`` are as for :func:`plan_step`; ``active``
+    lists every running sequence id (the step's own by default) and ``free``
+    the unused ones. Where :func:`output_rows` asks for one more logits row,
+    the last prompt row that is not sampled gets it; a step without such a
+    row puts one token in a free id next to the active ones (so it joins
+    their micro-batch), if the batch has room; otherwise the step goes
+    unpadded.
+    """
+    step = plan_step(decoding, prefilling, batch_tokens)
+    left = dict(prefilling)
+    ending = {seq for seq, n in step.prefill if n == left[seq]}
+    sampled = len(step.decode) + len(ending)
+    pad = output_rows(sampled, pair_columns) > sampled
+    has_spare = step.n_tokens - len(step.decode) > len(ending)  # a prompt row that is not sampled
+    layout = list(step.layout())
+    pad_seq = -1
+    if pad and not has_spare and free and step.n_tokens < batch_tokens:
+        pad_seq = next_sequence_id([*decoding, *left] if active is None else active, free)
+        layout = sorted([*layout, (pad_seq, 1)])
+    decode = set(step.decode)
+    rows, first = [], 0
+    for seq, n in layout:
+        kind = PAD if seq == pad_seq else DECODE if seq in decode else PREFILL
+        rows.append(Rows(seq, first, n, kind, sampled=kind == DECODE or seq in ending))
+        first += n
+    spare = -1
+    if pad and has_spare:  # a chunk's last unsampled row: its last, or the one before a sampled last
+        spare = max(r.last - r.sampled for r in rows if r.kind == PREFILL and r.count > r.sampled)
+    return BatchPlan(step, tuple(rows), spare, pad_seq)
+
+
 # -- the caller's side of a request -----------------------------------------------------
 
 
@@ -332,31 +461,77 @@ class Request:
         return self.outbox is None or self.outbox.has_room()
 
 
+def _stat(help: str, *, monitor: str | None = None, required: bool = False, metric: str | None = None) -> Any:
+    """A :class:`SchedulerStats` field: its help text and its names elsewhere.
+
+    ``monitor``: the batching monitor's protocol name (``required``: the
+    monitor needs it); ``metric``: the Prometheus family, a counter when the
+    name ends in ``_total`` and a gauge otherwise.
+    """
+    meta: dict[str, Any] = {"help": help}
+    if monitor is not None:
+        meta.update(monitor=monitor, monitor_required=required)
+    if metric is not None:
+        meta.update(metric=metric, metric_type="counter" if metric.endswith("_total") else "gauge")
+    return field(metadata=meta)
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     """Counters of one scheduler since it started, read together under its lock (a snapshot).
 
-    Field names follow the batching monitor's protocol (``aner_nb.widgets.batching``).
+    The one declaration of the scheduler's statistics: each field's metadata
+    holds its ``help`` text and, where it has them, its name in the batching
+    monitor's protocol (``aner_nb.widgets.batching``) and its Prometheus
+    family (``/metrics`` of ``aner_nb.api``); see :func:`stat_fields`.
     """
 
-    max_sequences: int
-    sequence_context: int  # KV cells of each sequence id
-    queue_limit: int
-    batch_tokens: int
-    active: int
-    waiting: int
-    admitted: int
-    completed: int
-    cancelled: int
-    failed: int
-    steps: int  # llama_decode calls
-    evaluated_tokens: int  # batch rows evaluated: prompt chunks and fed tokens
-    decoded_tokens: int  # tokens sampled (one per logits row read)
-    peak_sequences: int
-    compactions: int
-    padding_rows: int  # logits rows requested only to keep the output kernel to one pass
-    closed: bool
-    running: bool
+    max_sequences: int = _stat(
+        "Sequences the batching scheduler decodes at most at once.",
+        monitor="max_sequences", metric="aner_max_sequences")
+    sequence_context: int = _stat("KV cells of each sequence id.", metric="aner_sequence_context_cells")
+    queue_limit: int = _stat(
+        "Requests the batching scheduler's queue holds at most.",
+        monitor="queue_capacity", metric="aner_queue_limit")
+    batch_tokens: int = _stat("Batch rows one scheduler step evaluates at most.", metric="aner_batch_tokens")
+    active: int = _stat(
+        "Sequences decoding in the batching scheduler now.",
+        monitor="active_sequences", required=True, metric="aner_active_sequences")
+    waiting: int = _stat(
+        "Requests waiting in the batching scheduler's queue.",
+        monitor="queue_length", required=True, metric="aner_queue_length")
+    admitted: int = _stat("Requests given a sequence id by the batching scheduler.", metric="aner_scheduler_admitted_total")
+    completed: int = _stat(
+        "Requests the batching scheduler finished, not counting cancelled ones.",
+        monitor="completed_requests", metric="aner_scheduler_completed_total")
+    cancelled: int = _stat(
+        "Requests the batching scheduler ended as cancelled, queued or running.", metric="aner_scheduler_cancelled_total")
+    failed: int = _stat("Requests the batching scheduler failed with an error.", metric="aner_scheduler_failed_total")
+    steps: int = _stat(
+        "llama_decode calls of the batching scheduler.",
+        monitor="scheduler_steps", required=True, metric="aner_scheduler_steps_total")
+    evaluated_tokens: int = _stat(
+        "Batch rows evaluated by the batching scheduler: prompt chunks and fed tokens.",
+        metric="aner_scheduler_evaluated_tokens_total")
+    decoded_tokens: int = _stat(
+        "Tokens sampled by the batching scheduler.",
+        monitor="decoded_tokens", required=True, metric="aner_scheduler_decoded_tokens_total")
+    peak_sequences: int = _stat("Most sequences that shared one scheduler step so far.", metric="aner_peak_sequences")
+    compactions: int = _stat(
+        "Sequences moved to another id to keep the active ids consecutive.", metric="aner_scheduler_compactions_total")
+    padding_rows: int = _stat(
+        "Logits rows requested only to keep the output kernel to one pass.", metric="aner_scheduler_padding_rows_total")
+    closed: bool = _stat("The scheduler accepts no more requests.")  # the monitor reads it as is
+    running: bool = _stat("The scheduler thread is alive.")
+
+
+def stat_fields(key: str) -> tuple[dataclasses.Field, ...]:
+    """The :class:`SchedulerStats` fields whose metadata has ``key`` (``"monitor"`` or ``"metric"``), in order."""
+    return tuple(f for f in dataclasses.fields(SchedulerStats) if key in f.metadata)
+
+
+# The scheduler's own counters (the other SchedulerStats fields are settings or read off its state).
+_COUNTED = ("completed", "cancelled", "failed", "steps", "evaluated_tokens", "decoded_tokens", "compactions", "padding_rows")
 
 
 # -- the scheduler thread -------------------------------------------------------------------
@@ -383,6 +558,7 @@ class Scheduler:
         on_exit: Callable[[], None],
         pair_columns: bool = False,
         name: str = "aner-scheduler",
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         if batch.capacity < batch_tokens:
             raise ValueError(f"batch capacity {batch.capacity} < batch_tokens {batch_tokens}")
@@ -392,6 +568,7 @@ class Scheduler:
         self.sequence_context = sequence_context
         self.queue_limit = queue_limit
         self.pair_columns = pair_columns
+        self.admission: AdmissionPolicy = FifoAdmission() if admission is None else admission
         self._ctx = ctx
         self._batch = batch
         self._on_exit = on_exit
@@ -401,7 +578,7 @@ class Scheduler:
         self._free = list(range(max_sequences))  # kept sorted
         self._closed = False
         self._admissions = 0
-        self._counts: collections.Counter[str] = collections.Counter()
+        self._counts = dict.fromkeys(_COUNTED, 0)
         self._peak = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         _live.add(self)
@@ -469,7 +646,6 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
-            c = self._counts
             return SchedulerStats(
                 max_sequences=self.max_sequences,
                 sequence_context=self.sequence_context,
@@ -478,17 +654,10 @@ class Scheduler:
                 active=len(self._active),
                 waiting=len(self._waiting),
                 admitted=self._admissions,
-                completed=c["completed"],
-                cancelled=c["cancelled"],
-                failed=c["failed"],
-                steps=c["steps"],
-                evaluated_tokens=c["evaluated_tokens"],
-                decoded_tokens=c["decoded_tokens"],
                 peak_sequences=self._peak,
-                compactions=c["compactions"],
-                padding_rows=c["padding_rows"],
                 closed=self._closed,
                 running=self._thread.is_alive(),
+                **self._counts,
             )
 
     # -- the thread ---------------------------------------------------------------------
@@ -531,9 +700,15 @@ class Scheduler:
         return True
 
     def _admit_locked(self) -> list[Request]:
+        """Start what the admission policy picks: each gets a free id next to the running ones."""
+        chosen = list(self.admission.admit(tuple(self._waiting), tuple(self._free)))
+        if len(chosen) > len(self._free) or len(set(map(id, chosen))) < len(chosen):
+            raise ValueError(
+                f"{type(self.admission).__name__} admitted a request twice or more requests than free sequence ids"
+            )
         admitted = []
-        for _ in range(admit_count(len(self._waiting), len(self._free))):
-            r = self._waiting.popleft()
+        for r in chosen:
+            self._waiting.remove(r)
             r.seq = next_sequence_id([a.seq for a in self._active], self._free)
             self._free.remove(r.seq)
             r.admission = self._admissions
@@ -583,90 +758,94 @@ class Scheduler:
                 self._counts["compactions"] += 1
             r.seq = r.job.seq = dst
 
+    # -- one step: plan, execute, update ----------------------------------------------
     def _step(self) -> None:
-        decoding = [r for r in self._active if not r.prefilling and self._ready(r)]
-        prefilling = [r for r in self._active if r.prefilling]
-        if not decoding and not prefilling:
+        """Plan the batch from plain numbers, run it with one ``llama_decode``, apply the results."""
+        plan = self._plan()
+        if plan is None:
             return
-        plan = plan_step([r.seq for r in decoding], [(r.seq, len(r.job.prompt_tokens) - r.evaluated) for r in prefilling], self.batch_tokens)
         by_seq = {r.seq: r for r in self._active}
-        layout = list(plan.layout())
-        finishing = [seq for seq, n in plan.prefill if by_seq[seq].evaluated + n == len(by_seq[seq].job.prompt_tokens)]
-        sampled = len(plan.decode) + len(finishing)
-        pad = output_rows(sampled, self.pair_columns) > sampled
-        # The extra logits row: a prompt row that is not sampled if the step has one, else a
-        # token of its own in an empty sequence id next to the active ones (one micro-batch),
-        # whose cell is removed right after the step.
-        prompt_rows = plan.n_tokens - len(plan.decode)
-        pad_seq = -1
-        if pad and prompt_rows == len(finishing) and self._free and plan.n_tokens < self.batch_tokens:
-            pad_seq = next_sequence_id(list(by_seq), self._free)
-            layout = sorted([*layout, (pad_seq, 1)])
+        if self._execute(plan, by_seq):
+            self._update(plan, by_seq)
+
+    def _plan(self) -> BatchPlan | None:
+        """The step's :class:`BatchPlan`, or None when no sequence has anything to evaluate."""
+        decoding = [r.seq for r in self._active if not r.prefilling and self._ready(r)]
+        prefilling = [(r.seq, len(r.job.prompt_tokens) - r.evaluated) for r in self._active if r.prefilling]
+        if not decoding and not prefilling:
+            return None
+        return plan_batch(
+            decoding, prefilling, self.batch_tokens, pair_columns=self.pair_columns,
+            active=[r.seq for r in self._active], free=self._free,
+        )
+
+    def _fill(self, plan: BatchPlan, by_seq: dict[int, Request]) -> None:
+        """Write the planned rows into the batch; logits only where the plan samples or pads."""
         batch = self._batch
         batch.clear()
-        rows: list[tuple[Request, int]] = []  # (request, logits row) for every row that is sampled
-        chunks: list[tuple[Request, int]] = []
-        spare = -1
-        for seq, n in layout:
-            if seq == pad_seq:
-                batch.add(max(self.model.bos, 0), 0, seq, logits=True)
-                continue
-            r = by_seq[seq]
-            if r.prefilling:
-                prompt, lo = r.job.prompt_tokens, r.evaluated
-                last = lo + n == len(prompt)
-                row = batch.add_run(prompt[lo : lo + n], lo, seq, logits_last=last)
-                chunks.append((r, n))
-                if last:
-                    rows.append((r, row))
-                    if n > 1:
-                        spare = row - 1
-                else:
-                    spare = row
+        for rows in plan.rows:
+            if rows.kind == PAD:  # any token at position 0 of the empty id: its cell is removed after the step
+                row = batch.add(max(self.model.bos, 0), 0, rows.seq, logits=True)
+            elif rows.kind == DECODE:
+                r = by_seq[rows.seq]
+                row = batch.add(r.next_token, r.pos, rows.seq, logits=True)
             else:
-                rows.append((r, batch.add(r.next_token, r.pos, seq, logits=True)))
-        padded = pad and (pad_seq >= 0 or spare >= 0)
-        if pad and pad_seq < 0 and spare >= 0:
-            batch.mark_output(spare)
-        participants = [by_seq[seq] for seq, _ in layout if seq != pad_seq]
+                r = by_seq[rows.seq]
+                lo = r.evaluated  # prompt tokens already in the KV, at positions 0..lo-1
+                row = batch.add_run(r.job.prompt_tokens[lo : lo + rows.count], lo, rows.seq, logits_last=rows.sampled)
+            assert row == rows.last, (row, rows)
+        if plan.spare_row >= 0:
+            batch.mark_output(plan.spare_row)
+
+    def _execute(self, plan: BatchPlan, by_seq: dict[int, Request]) -> bool:
+        """Fill the batch and run one ``llama_decode``; False when the step failed (and who it failed)."""
+        self._fill(plan, by_seq)
+        participants = [by_seq[seq] for seq in plan.participants]
         try:
-            rc = self._decode(batch, pad_seq)
+            rc = self._decode(self._batch, plan.pad_seq)
         except EngineError as exc:
             # A failed llama_decode leaves the batch's sequences in an unknown KV state.
             for r in participants:
                 self._fail(r, EngineError(f"this request's batch failed: {exc}"))
-            return
+            return False
         if rc == DECODE_NO_KV_SLOT:
             # Nothing of the batch was stored; everyone else retries unchanged next step.
             victim = kv_victim([(r.seq, r.admission, r.prefilling) for r in participants])
             self._fail(by_seq[victim], EngineError(
-                f"no KV slot for this request's step ({plan.n_tokens} tokens of {len(participants)} sequences, "
+                f"no KV slot for this request's step ({plan.step.n_tokens} tokens of {len(participants)} sequences, "
                 f"{self.sequence_context} cells per sequence); the request was failed and the others continue: "
                 "retry it, or lower max_tokens, or use fewer sequences or a larger context"
             ))
-            return
+            return False
+        return True
+
+    def _update(self, plan: BatchPlan, by_seq: dict[int, Request]) -> None:
+        """Apply a decoded step: counters, KV positions, prompt progress, then sample every sampled row."""
         t_done = _now()
-        n_tokens, n_seqs = batch.n_tokens, len(participants)
+        n_tokens, n_seqs = plan.n_tokens, len(plan.participants)
         with self._cv:
             self._counts["steps"] += 1
             self._counts["evaluated_tokens"] += n_tokens
-            self._counts["decoded_tokens"] += len(rows)
-            self._counts["padding_rows"] += padded
+            self._counts["decoded_tokens"] += len(plan.sampled)
+            self._counts["padding_rows"] += plan.padded
             self._peak = max(self._peak, n_seqs)
-        for r in participants:
+        for rows in plan.rows:
+            if rows.kind == PAD:
+                continue
+            r = by_seq[rows.seq]
             r.steps += 1
             r.step_tokens += n_tokens
             r.peak = max(r.peak, n_seqs)
-            if not r.prefilling:
+            if rows.kind == DECODE:
                 r.pos += 1
                 r.out.decode_calls += 1
-        for r, n in chunks:
-            r.evaluated += n
-            if not r.prefilling:
+                continue
+            r.evaluated += rows.count
+            if not r.prefilling:  # the whole prompt is in the KV: the first sampled token goes after it
                 r.pos = r.evaluated
                 r.out.prompt_eval_duration = t_done - r.out.t_work
-        for r, row in rows:
-            self._sample(r, row)
+        for seq, row in plan.sampled:
+            self._sample(by_seq[seq], row)
 
     def _decode(self, batch: Batch, pad_seq: int) -> int:
         """One ``llama_decode``; a padding row's cell is removed again whatever the outcome."""

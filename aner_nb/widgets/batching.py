@@ -12,9 +12,11 @@ dataclass or namedtuple) or a mapping, with integer fields
 
 and optionally ``max_sequences``, ``queue_capacity`` (8 by the contract),
 ``completed_requests`` (ints; ``-1`` = unknown) and ``closed`` (bool: the
-monitor stops polling once it is true). The scheduler's own spelling is
-accepted too (see ``STATS_ALIASES``): ``active``, ``waiting``, ``steps``,
-``queue_limit``, ``completed``. ``stats()`` must be callable from
+monitor stops polling once it is true). These names are not declared here:
+they are the ``monitor`` metadata of the fields of
+:class:`aner_nb.llm.scheduler.SchedulerStats`, and that class's own field
+names are accepted too (``STATS_ALIASES``: ``active``, ``waiting``,
+``steps``, ``queue_limit``, ``completed``). ``stats()`` must be callable from
 any thread at any time, cheap (no engine call), and consistent: take the
 numbers together under the scheduler's own lock, never from a half-finished
 step. A closed lease should still answer (``closed=True``); if ``stats()``
@@ -49,6 +51,7 @@ import weakref
 from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..llm.scheduler import stat_fields
 from ._static import StaticView, fmt_count, fmt_float, frame_html, html_table, measured
 from .timings import as_responses
 
@@ -62,16 +65,11 @@ __all__ = [
     "batching_monitor",
 ]
 
-STATS_FIELDS = ("active_sequences", "queue_length", "scheduler_steps", "decoded_tokens")
-OPTIONAL_STATS_FIELDS = ("max_sequences", "queue_capacity", "completed_requests")
-# Accepted alternative names (the scheduler's own SchedulerStats spelling).
-STATS_ALIASES = {
-    "active_sequences": ("active",),
-    "queue_length": ("waiting",),
-    "scheduler_steps": ("steps",),
-    "queue_capacity": ("queue_limit",),
-    "completed_requests": ("completed",),
-}
+# The protocol's names, in SchedulerStats order, from that class's field metadata.
+STATS_FIELDS = tuple(f.metadata["monitor"] for f in stat_fields("monitor") if f.metadata["monitor_required"])
+OPTIONAL_STATS_FIELDS = tuple(f.metadata["monitor"] for f in stat_fields("monitor") if not f.metadata["monitor_required"])
+# Accepted alternative names: the SchedulerStats field names where they differ from the protocol's.
+STATS_ALIASES = {f.metadata["monitor"]: (f.name,) for f in stat_fields("monitor") if f.metadata["monitor"] != f.name}
 _QUEUE_CAPACITY = 8
 
 
