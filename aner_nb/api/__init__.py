@@ -35,9 +35,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..llm import Lease
 from ..llm.errors import ConfigurationError
 from ..llm.profiles import MAX_TOKENS
 from ..llm.profiles import int_in as _int_in
+from .routes import RESERVED, MountSpec, service_routes
 from .server import Server
 
 __all__ = ["app", "App", "Server"]
@@ -45,7 +47,6 @@ __all__ = ["app", "App", "Server"]
 log = logging.getLogger("aner_nb.api")
 
 DEFAULT_PORT = 11435
-_RESERVED = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")
 
 
 def _is_loopback(host: str) -> bool:
@@ -55,15 +56,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-@dataclass(frozen=True)
-class MountSpec:
-    """One served lease: the seed route's path and the id clients use for it."""
-
-    path: str
-    model: Any
-    name: str
 
 
 @dataclass(frozen=True)
@@ -88,14 +80,9 @@ class App:
         (``name``, default the model's name) on ``/v1/chat/completions`` and ``/v1/models``."""
         if not isinstance(path, str) or not path.startswith("/") or path.rstrip("/") != path or "{" in path:
             raise ConfigurationError(f"path must be an absolute route such as '/chat' (no trailing slash), got {path!r}")
-        if any(path == r or path.startswith(r + "/") for r in _RESERVED):
-            raise ConfigurationError(f"path {path!r} is reserved; reserved: {', '.join(_RESERVED)}")
-        if not callable(getattr(model, "stream", None)) or not callable(getattr(model, "supports", None)):
-            raise ConfigurationError(f"model must be a lease from aner_nb.llm (load, with_batching...), got {type(model).__name__}")
-        if type(model).__name__ == "Session":
-            raise ConfigurationError("a session keeps one conversation's state; serve the lease it was opened on instead")
-        if model.closed:
-            raise ConfigurationError("model is closed; serve an open lease")
+        if any(path == r or path.startswith(r + "/") for r in RESERVED):
+            raise ConfigurationError(f"path {path!r} is reserved; reserved: {', '.join(RESERVED)}")
+        _check_servable(model)
         name = model.name if name is None else name
         if not isinstance(name, str) or not name.strip():
             raise ConfigurationError(f"name must be a non-empty string, got {name!r}")
@@ -174,8 +161,7 @@ class App:
         if not _is_loopback(self.host) and self.bearer_token is None:
             log.warning("serving on %s without a bearer token: anyone who can reach it can use the model", self.host)
         capacity = sum(m.capacity for m in asgi.state.mounts)
-        routes = [*(f"POST {s.path}" for s in self.served), "POST /v1/chat/completions", "GET /v1/models",
-                  "GET /health", "GET /metrics", "GET /openapi.json"]
+        routes = [r.listing for r in service_routes((s.path, s.name) for s in self.served)]
         return Server(asgi, title=self.title, host=self.host, port=self.port, routes=routes,
                       models=[s.name for s in self.served], limit_concurrency=4 * capacity + 32)
 
@@ -186,6 +172,18 @@ class App:
     def serve(self) -> None:
         """Serve on this thread until Ctrl-C or SIGTERM."""
         self._server().serve()
+
+
+def _check_servable(model: Any) -> None:
+    """A lease that answers stateless requests: open, and not a session (which keeps one conversation)."""
+    if not isinstance(model, Lease):
+        raise ConfigurationError(f"model must be a lease from aner_nb.llm (load, with_batching...), got {type(model).__name__}")
+    if model.kind == "session":
+        raise ConfigurationError("a session keeps one conversation's state; serve the lease it was opened on instead")
+    if model.closed:
+        raise ConfigurationError("model is closed; serve an open lease")
+    if not model.supports("stream"):
+        raise ConfigurationError(f"a {model.kind} lease cannot stream, so it cannot be served")
 
 
 def app(title: str = "aner_nb") -> App:

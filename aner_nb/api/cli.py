@@ -14,15 +14,17 @@ import os
 import sys
 
 from ..llm.profiles import CPU_EXTRA_BUFFERS
+from .routes import service_routes
 
 __all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
+    routes = ", ".join(r.listing for r in service_routes([("/chat", "")]) if not r.builtin)
     p = argparse.ArgumentParser(
         prog="aner-nb serve",
-        description="Serve a GGUF model over HTTP: POST /chat, POST /v1/chat/completions (OpenAI-compatible), "
-        "GET /v1/models, /health, /metrics. Concurrent requests share one continuous-batching scheduler.",
+        description=f"Serve a GGUF model over HTTP: {routes} (/v1 is OpenAI-compatible). "
+        "Concurrent requests share one continuous-batching scheduler.",
     )
     p.add_argument("model", metavar="MODEL.gguf", help="a single-file GGUF text model")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")

@@ -1,13 +1,16 @@
-"""HTTP error answers: one JSON shape, and the mapping from the library's typed errors.
+"""HTTP error answers: one JSON shape, the mapping from the library's typed errors, and the handlers.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` (the
 OpenAI shape, so the ``openai`` SDK raises its matching exception class).
-``param`` names the offending request field when there is one.
+``param`` names the offending request field when there is one: for a
+library error it is the error's own ``param`` (``max_tokens``, ``stop[0]``,
+``messages[2].role``), kept only when the route has that field, and spelt in
+the route's terms (the seed route's input is ``prompt``, not ``messages``).
 
 =====================================  ======  ==========================
 library error                          status  notes
 =====================================  ======  ==========================
-InvalidRequestError                    400     ``param`` from the message
+InvalidRequestError                    400     ``param`` from the error
 ContextOverflowError                   400     ``code=context_length_exceeded``
 BusyError                              503     ``Retry-After``
 ClosedError                            503     the model was closed
@@ -17,17 +20,19 @@ EngineError (and anything unexpected)  500
 
 from __future__ import annotations
 
-import re
-from typing import Any
+import logging
+from typing import Any, Collection, Optional
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from ..llm import errors as llm_errors
 
-__all__ = ["ApiError", "from_library", "busy", "REQUEST_FIELDS"]
+__all__ = ["ApiError", "from_library", "busy", "request_param", "install_handlers"]
 
-REQUEST_FIELDS = ("prompt", "messages", "max_tokens", "temperature", "seed", "stop", "model", "n", "stream")
-_PARAM = re.compile(r"^(?P<name>[a-z_]+)(?P<rest>(?:\[\d+\])?(?:\.[a-z_]+)?)(?=[\s:=]|$)")
+log = logging.getLogger("aner_nb.api")
 
 
 class ApiError(Exception):
@@ -64,24 +69,76 @@ def busy(message: str, retry_after_s: int) -> ApiError:
     )
 
 
-def _param(message: str, prompt_field: str) -> str | None:
-    match = _PARAM.match(message)
-    if match and match.group("name") in REQUEST_FIELDS:
-        name = match.group("name")
-        return ("prompt" if prompt_field == "prompt" and name == "messages" else name) + match.group("rest")
-    return None
+def request_param(param: str | None, fields: Collection[str], prompt_field: str) -> str | None:
+    """A library error's ``param`` as the route's request field, or None when the route has no such field.
+
+    ``fields`` are the route's request fields and ``prompt_field`` the one
+    holding its input: where that is ``prompt``, the library's ``messages...``
+    (the prompt rendered as messages) is reported as ``prompt``.
+    """
+    if param is None:
+        return None
+    name = param.split("[", 1)[0].split(".", 1)[0]
+    if name == "messages" and prompt_field == "prompt":
+        return "prompt"
+    return param if name in fields else None
 
 
-def from_library(exc: BaseException, *, prompt_field: str = "messages", retry_after_s: int = 1) -> ApiError:
-    """The HTTP answer for a library error (``prompt_field`` is what the route calls the input)."""
+def from_library(exc: BaseException, *, fields: Collection[str], prompt_field: str, retry_after_s: int = 1) -> ApiError:
+    """The HTTP answer for a library error on a route with request ``fields`` whose input is ``prompt_field``."""
     message = " ".join(str(exc).split())
     if isinstance(exc, llm_errors.ContextOverflowError):
         return ApiError(400, message, param=prompt_field, code="context_length_exceeded")
     if isinstance(exc, (llm_errors.InvalidRequestError, llm_errors.ChatTemplateError)):
-        return ApiError(400, message, param=_param(message, prompt_field), code="invalid_value")
+        return ApiError(400, message, param=request_param(exc.param, fields, prompt_field), code="invalid_value")
     if isinstance(exc, llm_errors.BusyError):
         return busy(message, retry_after_s)
     if isinstance(exc, llm_errors.ClosedError):
         return ApiError(503, message, type="unavailable_error", code="model_closed")
     return ApiError(500, "the engine failed while answering this request; see the server log",
                     type="server_error", code="engine_error")
+
+
+# -- the application's exception handlers ------------------------------------------------------
+def install_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` in the one JSON shape."""
+    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming every invalid field (the first is ``param``); 400 for a body that is not JSON."""
+    problems = list(exc.errors())
+    if any(p.get("type") == "json_invalid" for p in problems):
+        return ApiError(400, "the request body is not valid JSON", code="invalid_json").response()
+    first = problems[0] if problems else {}
+    params = [_loc(p.get("loc", ())) for p in problems]
+    message = "; ".join(f"{param or 'body'}: {p.get('msg', 'invalid')}" for param, p in zip(params, problems))
+    return ApiError(422, message, param=params[0] if params else None, code=first.get("type")).response()
+
+
+async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    return ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})).response()
+
+
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error while answering a request", exc_info=exc)
+    return ApiError(500, "internal error; see the server log", type="server_error", code="internal").response()
+
+
+def _loc(loc: Any) -> Optional[str]:
+    """A validation error's location as a field path: ``messages[0].role``."""
+    parts = [p for p in loc if p != "body"]
+    if not parts:
+        return None
+    out = str(parts[0])
+    for p in parts[1:]:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out

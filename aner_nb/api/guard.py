@@ -15,13 +15,11 @@ import json
 import time
 from typing import Any, Awaitable, Callable
 
-__all__ = ["Guard", "OPEN_PATHS"]
+__all__ = ["Guard"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
-
-OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # reachable without the token (gateway health checks)
 
 
 def _error(status: int, message: str, type_: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> tuple:
@@ -39,12 +37,15 @@ class Guard:
         *,
         max_body_bytes: int,
         bearer_token: str | None,
+        open_paths: frozenset[str],
         routes: frozenset[str],
         record: Callable[[str, int, float], None],
     ) -> None:
+        """``open_paths`` need no token; ``routes`` are the paths ``record`` counts by name (others as ``other``)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._token = bearer_token.encode() if bearer_token is not None else None
+        self.open_paths = open_paths
         self.routes = routes
         self.record = record
 
@@ -77,7 +78,7 @@ class Guard:
             self.record(route, status, time.perf_counter() - started)
 
     def _authorize(self, scope: Scope, path: str) -> tuple | None:
-        if self._token is None or path in OPEN_PATHS:
+        if self._token is None or path in self.open_paths:
             return None
         given = b""
         for name, value in scope.get("headers", ()):

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from ..llm import BatchingModel, Response
+from ..llm import Lease, Response
 from .metrics import MountMetrics
 
 __all__ = ["Gate", "Mount", "Generation", "RequestTimeout", "ClientGone", "capacity_of"]
@@ -54,20 +54,22 @@ class Gate:
             return self._in_flight
 
 
-def capacity_of(model: Any) -> int:
-    """Requests a lease can hold at once: sequences plus its waiting queue when batching, else one."""
-    if isinstance(model, BatchingModel):
-        return model.max_sequences + model.batching.queue_limit
+def capacity_of(model: Lease) -> int:
+    """Requests a lease can hold at once: sequences plus its waiting queue when it batches, else one."""
+    if model.supports("continuous_batching"):
+        stats = model.stats()  # type: ignore[attr-defined]
+        return stats.max_sequences + stats.queue_limit
     return 1
 
 
 class Mount:
     """One served model: its route, public id, admission gate, worker pool and counters."""
 
-    def __init__(self, *, path: str, model: Any, name: str, max_concurrent: int | None) -> None:
+    def __init__(self, *, path: str, model: Lease, name: str, max_concurrent: int | None) -> None:
         self.path = path
-        self.model = model
+        self.model: Any = model
         self.name = name
+        self.batching = model.supports("continuous_batching")  # it has a scheduler whose stats() we read
         self.capacity = max_concurrent if max_concurrent is not None else capacity_of(model)
         self.gate = Gate(self.capacity)
         self.metrics = MountMetrics()
@@ -88,9 +90,8 @@ class Mount:
             return self._pool
 
     def stats(self) -> Any:
-        """The batching scheduler's snapshot, or None for an ordinary lease."""
-        stats = getattr(self.model, "stats", None)
-        return stats() if callable(stats) else None
+        """The batching scheduler's snapshot (a SchedulerStats), or None for a lease without one."""
+        return self.model.stats() if self.batching else None
 
     def cancel_all(self) -> None:
         """Server shutdown: cancel every generation still running."""
@@ -106,6 +107,7 @@ class Mount:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self.batching = False
         self.model = _Released(self.model)
 
     def _track(self, generation: "Generation", live: bool) -> None:

@@ -8,18 +8,33 @@ names the field. The seed route (``/chat``) rejects unknown fields, so a
 misspelt option fails instead of being ignored; the OpenAI route ignores
 fields it does not know (clients send many), but rejects known ones whose
 values it cannot honour (``n`` other than 1, ``logprobs``).
+
+Response models are the routes' ``response_model``: each route returns one
+of them (built here from the library's :class:`~aner_nb.llm.Response` by the
+``of`` constructors), so the published schema is what is sent. A streamed
+answer is a sequence of :class:`ChatCompletionChunk` events.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from ..llm.profiles import MAX_SEED, MAX_STOP_STRINGS
+from ..llm.response import Response, Usage
+from ..llm.timings import timing_fields
 
-__all__ = ["RequestModels", "request_models", "ErrorBody", "ChatAnswer", "ChatCompletion", "ModelList", "ModelCard", "Health"]
+__all__ = [
+    "RequestModels", "request_models", "ErrorBody", "TimingsBody", "ChatAnswer", "Envelope", "ChatCompletion",
+    "ChatCompletionChunk", "ChunkDelta", "ModelList", "ModelCard", "ModelHealth", "Health",
+]
 
+FinishReason = Literal["stop", "length"]  # a cancelled generation is answered with an error, never a body
 Stop = Optional[Union[str, list[str]]]
 
 
@@ -69,7 +84,10 @@ def request_models(*, max_tokens: int, max_rows: int) -> RequestModels:
     )
 
     class ChatRequest(_Strict):
-        """The seed route: one user prompt, formatted with the model's chat template."""
+        """The seed route: one user prompt, formatted with the model's chat template.
+
+        Every field but ``prompt`` is passed to the library under its own name (``service.seed_call``).
+        """
 
         prompt: str = Field(description="The user message.")
         max_tokens: int = Field(cap, ge=0, le=cap, description="Most tokens to generate (default: the cap).")
@@ -97,7 +115,7 @@ def request_models(*, max_tokens: int, max_rows: int) -> RequestModels:
     return RequestModels(ChatRequest, ChatCompletionRequest)
 
 
-# -- responses (documentation and schema checks; routes build plain dicts) ---------------------
+# -- responses: what the routes return (their ``response_model``) -------------------------------
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -111,11 +129,28 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
+def _timings_model() -> type[BaseModel]:
+    """The library's :class:`~aner_nb.llm.Timings` as a response model, one field per timings field."""
+    fields: dict[str, Any] = {
+        f.name: (int, Field(description=f"{f.metadata['label']} ({f.metadata['unit']}); -1 = not measured"))
+        for f in timing_fields()
+    }
+    return create_model("Timings", __doc__="The library's timings of the request (durations in ns).", **fields)
+
+
+TimingsBody = _timings_model()
+
+
 class UsageBody(BaseModel):
     prompt_tokens: int
     cached_input_tokens: int
     completion_tokens: int
     total_tokens: int
+
+    @classmethod
+    def of(cls, usage: Usage) -> "UsageBody":
+        return cls(prompt_tokens=usage.prompt_tokens, cached_input_tokens=usage.cached_input_tokens,
+                   completion_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)
 
 
 class ChatAnswer(BaseModel):
@@ -123,23 +158,17 @@ class ChatAnswer(BaseModel):
 
     model: str
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     output_hash: str
     tokens_per_second: float
     usage: UsageBody
-    timings: dict[str, int]
+    timings: TimingsBody  # type: ignore[valid-type]
 
-
-class CompletionMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str
-
-
-class Choice(BaseModel):
-    index: int
-    message: CompletionMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    @classmethod
+    def of(cls, model: str, response: Response) -> "ChatAnswer":
+        return cls(model=model, text=response.text, finish_reason=response.finish_reason,
+                   output_hash=response.output_hash, tokens_per_second=response.tokens_per_second(),
+                   usage=UsageBody.of(response.usage), timings=response.timings.as_dict())
 
 
 class PromptDetails(BaseModel):
@@ -152,6 +181,38 @@ class CompletionUsage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptDetails
 
+    @classmethod
+    def of(cls, usage: Usage) -> "CompletionUsage":
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.total_tokens,
+                   prompt_tokens_details=PromptDetails(cached_tokens=usage.cached_input_tokens))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What the completion object and every chunk of one OpenAI answer share."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+
+    @classmethod
+    def new(cls, model: str, fingerprint: str) -> "Envelope":
+        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, f"fp_{fingerprint[:12]}")
+
+
+class CompletionMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: CompletionMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
 
 class ChatCompletion(BaseModel):
     """OpenAI ``chat.completion``, plus ``timings`` (the library's, in ns)."""
@@ -163,7 +224,58 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str
     choices: list[Choice]
     usage: CompletionUsage
-    timings: dict[str, int]
+    timings: TimingsBody  # type: ignore[valid-type]
+
+    @classmethod
+    def of(cls, envelope: Envelope, response: Response) -> "ChatCompletion":
+        choice = Choice(index=0, message=CompletionMessage(role="assistant", content=response.text),
+                        finish_reason=response.finish_reason, logprobs=None)
+        return cls(**dataclasses.asdict(envelope), object="chat.completion", choices=[choice],
+                   usage=CompletionUsage.of(response.usage), timings=response.timings.as_dict())
+
+
+class ChunkDelta(BaseModel):
+    """The text a chunk adds; the first chunk also names the role, the finishing one is empty."""
+
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Optional[FinishReason] = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One ``data:`` event of a streamed answer (OpenAI ``chat.completion.chunk``).
+
+    The stream is: a chunk with the role, one chunk per text piece, a chunk
+    with ``finish_reason``, then (unless ``stream_options.include_usage`` is
+    false) a chunk with no choices carrying ``usage`` and ``timings``, then
+    ``data: [DONE]``. A failure mid-stream is one :class:`ErrorBody` event
+    instead of the rest. Only the fields shown in each chunk are sent.
+    """
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Optional[CompletionUsage] = None
+    timings: Optional[TimingsBody] = None  # type: ignore[valid-type]
+
+    @classmethod
+    def piece(cls, envelope: Envelope, delta: ChunkDelta, finish_reason: Optional[str] = None) -> "ChatCompletionChunk":
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)
+        return cls(**dataclasses.asdict(envelope), object="chat.completion.chunk", choices=[choice])
+
+    @classmethod
+    def usage_of(cls, envelope: Envelope, response: Response) -> "ChatCompletionChunk":
+        return cls(**dataclasses.asdict(envelope), object="chat.completion.chunk", choices=[],
+                   usage=CompletionUsage.of(response.usage), timings=response.timings.as_dict())
 
 
 class ModelCard(BaseModel):

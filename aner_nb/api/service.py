@@ -1,19 +1,14 @@
-"""The FastAPI application: routes, limits and error answers over served leases.
+"""The FastAPI application: each route's endpoint, and one request's way through the service.
 
-Routes (see ``/openapi.json``):
-
-- ``POST <path>`` (default ``/chat``): the seed route, ``{"prompt", "max_tokens",
-  "temperature", "seed", "stop"}`` -> text, usage and the library's timings.
-- ``POST /v1/chat/completions``: OpenAI-compatible, streaming as SSE chunks
-  ending with a usage chunk and ``[DONE]``.
-- ``GET /v1/models``, ``GET /v1/models/{id}``: the served models.
-- ``GET /health``: 200 while every served model accepts requests, else 503.
-- ``GET /metrics``: Prometheus text.
-
-Each request is a stateless call on the served lease: with a batching lease
-concurrent requests become sequences of its one scheduler; an ordinary
-lease runs one request at a time and answers the next one busy. Blocking
-library calls run on the model's bounded worker pool (see ``runtime``).
+The routes are declared in ``routes``; here each gets its endpoint. A
+request is parsed into a :class:`Call` (the library's arguments, and how
+the route names its fields), admitted (the model is open and its gate has
+room, else 503), run as a stream on the model's worker pool (see
+``runtime``), and answered with the route's response model (see
+``schemas``): whole, or as SSE chunks. Each request is a stateless call on
+the served lease: with a batching lease concurrent requests become sequences
+of its one scheduler; an ordinary lease runs one request at a time and
+answers the next one busy.
 
 No ``from __future__ import annotations`` here: FastAPI reads the endpoint
 annotations, which name request models built per service.
@@ -21,28 +16,26 @@ annotations, which name request models built per service.
 
 import asyncio
 import contextlib
-import dataclasses
+import json
 import logging
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from .. import __version__
+from .._version import __version__
 from ..llm import errors as llm_errors
-from . import MountSpec
 from . import metrics as metrics_mod
-from .errors import ApiError, busy, from_library
+from .errors import ApiError, busy, from_library, install_handlers
 from .guard import Guard
+from .routes import OPEN_PATHS, MountSpec, Route, metric_labels, service_routes
 from .runtime import ClientGone, Generation, Mount, RequestTimeout
-from .schemas import ChatAnswer, ChatCompletion, ErrorBody, Health, ModelCard, ModelList, request_models
+from .schemas import (ChatAnswer, ChatCompletion, ChatCompletionChunk, ChunkDelta, Envelope, Health, ModelCard,
+                      ModelHealth, ModelList, request_models)
 
-__all__ = ["ServiceConfig", "build_app"]
+__all__ = ["ServiceConfig", "Call", "Service", "build_app"]
 
 log = logging.getLogger("aner_nb.api")
 
@@ -62,115 +55,103 @@ class ServiceConfig:
     bearer_token: Optional[str] = field(default=None, repr=False)
 
 
-def _errors(status: int, *codes: str) -> dict[int, dict[str, Any]]:
-    return {status: {"model": ErrorBody, "description": ", ".join(codes)}}
+# -- request parsing ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """One request in the library's terms, and the route's names for its fields (for error params)."""
+
+    prompt: Any
+    options: dict[str, Any]  # the library's request options: max_tokens, temperature, seed, stop
+    fields: frozenset[str]  # the route's request fields
+    prompt_field: str  # the one holding the input: "prompt" or "messages"
+
+    def start(self, model: Any) -> Any:
+        """The library stream of this request on ``model`` (renders, tokenizes and submits)."""
+        return model.stream(self.prompt, **self.options)
 
 
-_COMMON_ERRORS: dict[int, dict[str, Any]] = {
-    **_errors(400, "invalid value, context_length_exceeded, malformed JSON"),
-    **_errors(401, "missing or invalid bearer token (when the service has one)"),
-    **_errors(413, "request body above the service's limit"),
-    **_errors(422, "wrong type, missing field or out-of-range value; error.param names the field"),
-    503: {
-        "model": ErrorBody,
-        "description": "busy (workers and queue full; retry after Retry-After seconds) or the model is closed",
-        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds (busy only)"}},
-    },
-    **_errors(504, "the request ran past the timeout; its generation was cancelled"),
-}
+def seed_call(body: BaseModel) -> Call:
+    """The seed route's body as a library call: every field but ``prompt`` is a library option, as named."""
+    b: Any = body
+    return Call(b.prompt, b.model_dump(exclude={"prompt"}), frozenset(type(body).model_fields), "prompt")
 
 
-def build_app(config: ServiceConfig) -> FastAPI:
-    """A new ASGI application serving ``config``'s leases (each build has its own pools and counters)."""
-    mounts = [Mount(path=s.path, model=s.model, name=s.name, max_concurrent=config.max_concurrent) for s in config.mounts]
-    # Closures below keep only the scalar settings: FastAPI caches endpoint functions process-wide, so
-    # nothing they capture may hold a lease past shutdown (Mount.shutdown lets go of its lease).
-    config = dataclasses.replace(config, mounts=())
-    by_name = {m.name: m for m in mounts}
-    bodies = request_models(max_tokens=config.max_tokens, max_rows=config.max_rows)
-    ChatRequest, CompletionRequest = bodies.chat, bodies.completion
-    service_metrics = metrics_mod.MountMetrics()
-    timeout_s = config.timeout_ms / 1000.0
+def openai_call(body: BaseModel, max_tokens_cap: int) -> Call:
+    """An OpenAI body as a library call: ``max_completion_tokens`` aliases ``max_tokens``, greedy by default."""
+    b: Any = body
+    max_tokens = b.max_tokens if b.max_tokens is not None else b.max_completion_tokens
+    options = {
+        "max_tokens": max_tokens_cap if max_tokens is None else max_tokens,
+        "temperature": 0.0 if b.temperature is None else b.temperature,
+        "seed": 0 if b.seed is None else b.seed,
+        "stop": b.stop,
+    }
+    return Call([m.plain() for m in b.messages], options, frozenset(type(body).model_fields), "messages")
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        for mount in mounts:  # cancel what still runs, then join the worker threads
-            await asyncio.to_thread(mount.shutdown)
 
-    app = FastAPI(
-        title=config.title,
-        version=__version__,
-        description="Local GGUF models over HTTP (aner_nb): the seed /chat route and OpenAI-compatible routes.",
-        docs_url=None,
-        redoc_url=None,
-        lifespan=lifespan,
-    )
-    app.state.mounts = mounts
+# -- admission, running, answers ---------------------------------------------------------------
+class Service:
+    """One application's served models, and how a request is admitted, run and answered on them.
 
-    # -- error answers ---------------------------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    Endpoints are its methods or close over it, and FastAPI caches endpoints
+    process-wide: it holds the mounts (which let go of their leases at
+    shutdown) and scalar settings, never a lease or the config's specs.
+    """
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = list(exc.errors())
-        if any(p.get("type") == "json_invalid" for p in problems):
-            return ApiError(400, "the request body is not valid JSON", code="invalid_json").response()
-        first = problems[0] if problems else {}
-        params = [_loc(p.get("loc", ())) for p in problems]
-        message = "; ".join(f"{param or 'body'}: {p.get('msg', 'invalid')}" for param, p in zip(params, problems))
-        return ApiError(422, message, param=params[0] if params else None, code=first.get("type")).response()
+    def __init__(self, config: ServiceConfig, mounts: list[Mount]) -> None:
+        self.mounts = mounts
+        self.by_name = {m.name: m for m in mounts}
+        self.metrics = metrics_mod.MountMetrics()
+        self.max_tokens = config.max_tokens
+        self.timeout_ms = config.timeout_ms
+        self.retry_after_s = config.retry_after_s
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})).response()
+    def mount_for(self, model_id: Optional[str]) -> Mount:
+        if len(self.mounts) == 1:
+            return self.mounts[0]  # one model: any id is served by it (clients often send a placeholder)
+        if model_id in self.by_name:
+            return self.by_name[model_id]
+        raise ApiError(404, f"model {model_id!r} is not served here; served: {', '.join(self.by_name)}",
+                       type="not_found_error", param="model", code="model_not_found")
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error while answering a request")
-        return ApiError(500, "internal error; see the server log", type="server_error", code="internal").response()
-
-    # -- running one request -----------------------------------------------------------------
-    async def admit(mount: Mount, prompt: Any, *, max_tokens: int, temperature: float, seed: int, stop: Any,
-                    prompt_field: str) -> Generation:
+    def _enter(self, mount: Mount) -> None:
+        """Take a slot of ``mount``'s gate, or answer 503: the model is closed, or it is full."""
         if mount.model.closed:
             raise ApiError(503, f"model {mount.name!r} is closed; it accepts no requests",
                            type="unavailable_error", code="model_closed")
         if not mount.gate.try_enter():
             mount.metrics.count("busy_rejections")
-            raise busy(
-                f"model {mount.name!r} is busy: {mount.capacity} requests are running or queued; "
-                f"retry after {config.retry_after_s} s", config.retry_after_s,
-            )
+            raise busy(f"model {mount.name!r} is busy: {mount.capacity} requests are running or queued; "
+                       f"retry after {self.retry_after_s} s", self.retry_after_s)
         mount.metrics.count("requests")
-        generation = Generation(mount, timeout_s)
+
+    async def admit(self, mount: Mount, call: Call) -> Generation:
+        """Admit ``call`` on ``mount`` and start its stream; its slot is held until the stream ends."""
+        self._enter(mount)
+        generation = Generation(mount, self.timeout_ms / 1000.0)
         model = mount.model
         try:
-            await generation.open(
-                lambda: model.stream(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop)
-            )
+            await generation.open(lambda: call.start(model))
         except RequestTimeout:
-            raise _timeout() from None
+            raise self.timeout_error() from None
         except llm_errors.LLMError as exc:
-            raise _library(mount, exc, prompt_field) from None
+            raise self.library_error(mount, exc, call) from None
         return generation
 
-    def _timeout() -> ApiError:
-        return ApiError(504, f"the request ran past this service's timeout of {config.timeout_ms} ms; "
-                        "its generation was cancelled", type="timeout_error", code="timeout")
+    async def complete(self, mount: Mount, generation: Generation, request: Request, call: Call) -> Any:
+        """Run a non-streaming request to its end; None when the client went away meanwhile."""
+        try:
+            await generation.collect(_disconnected(request))
+        except RequestTimeout:
+            raise self.timeout_error() from None
+        except ClientGone:
+            return None
+        except llm_errors.LLMError as exc:
+            raise self.library_error(mount, exc, call) from None
+        return self.finished(mount, generation)
 
-    def _library(mount: Mount, exc: BaseException, prompt_field: str) -> ApiError:
-        error = from_library(exc, prompt_field=prompt_field, retry_after_s=config.retry_after_s)
-        if isinstance(exc, llm_errors.BusyError):
-            mount.metrics.count("busy_rejections")
-        if error.status >= 500 and error.status != 503:
-            log.error("request failed: %s", exc, exc_info=exc)
-        return error
-
-    def finished(mount: Mount, generation: Generation) -> Any:
+    def finished(self, mount: Mount, generation: Generation) -> Any:
+        """The ended generation's Response, counted; 503 when the server's shutdown cancelled it."""
         response = generation.response
         if response.finish_reason == "cancelled":  # only shutdown cancels without a timeout or disconnect
             raise ApiError(503, "the server is shutting down; the generation was cancelled",
@@ -179,124 +160,146 @@ def build_app(config: ServiceConfig) -> FastAPI:
         mount.metrics.count("completion_tokens", response.usage.completion_tokens)
         return response
 
-    async def complete(mount: Mount, generation: Generation, request: Request, prompt_field: str) -> Any:
-        """Run a non-streaming request to its end; None when the client went away meanwhile."""
+    def timeout_error(self) -> ApiError:
+        return ApiError(504, f"the request ran past this service's timeout of {self.timeout_ms} ms; "
+                        "its generation was cancelled", type="timeout_error", code="timeout")
+
+    def library_error(self, mount: Mount, exc: BaseException, call: Call) -> ApiError:
+        """The answer for a library error raised by ``call``, counted and logged."""
+        error = from_library(exc, fields=call.fields, prompt_field=call.prompt_field,
+                             retry_after_s=self.retry_after_s)
+        if isinstance(exc, llm_errors.BusyError):
+            mount.metrics.count("busy_rejections")
+        if error.status >= 500 and error.status != 503:
+            log.error("request failed: %s", exc, exc_info=exc)
+        return error
+
+    async def events(self, mount: Mount, generation: Generation, call: Call, envelope: Envelope,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """The SSE events of a streamed answer (see ``ChatCompletionChunk``); an error ends them early."""
+        yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(role="assistant", content="")))
         try:
-            await generation.collect(_disconnected(request))
+            async for piece in generation.pieces():
+                yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(content=piece)))
+            response = self.finished(mount, generation)
         except RequestTimeout:
-            raise _timeout() from None
-        except ClientGone:
-            return None
+            yield _event(self.timeout_error().body())
+            return
+        except ApiError as exc:
+            yield _event(exc.body())
+            return
         except llm_errors.LLMError as exc:
-            raise _library(mount, exc, prompt_field) from None
-        return finished(mount, generation)
+            yield _event(self.library_error(mount, exc, call).body())
+            return
+        yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(), response.finish_reason))
+        if include_usage:
+            yield _event(ChatCompletionChunk.usage_of(envelope, response))
+        yield "data: [DONE]\n\n"
 
-    def mount_for(model_id: Optional[str]) -> Mount:
-        if len(mounts) == 1:
-            return mounts[0]  # one model: any id is served by it (clients often send a placeholder)
-        if model_id in by_name:
-            return by_name[model_id]
-        raise ApiError(404, f"model {model_id!r} is not served here; served: {', '.join(by_name)}",
-                       type="not_found_error", param="model", code="model_not_found")
+    # -- the GET endpoints ---------------------------------------------------------------------
+    async def list_models(self) -> ModelList:
+        return ModelList(object="list", data=[_card(m) for m in self.mounts])
 
-    # -- the seed route, one per served lease ------------------------------------------------
-    def add_chat_route(mount: Mount) -> None:
-        async def chat(body: ChatRequest, request: Request) -> Any:  # type: ignore[valid-type]
-            generation = await admit(mount, body.prompt, max_tokens=body.max_tokens, temperature=body.temperature,
-                                     seed=body.seed, stop=body.stop, prompt_field="prompt")
-            response = await complete(mount, generation, request, "prompt")
-            if response is None:
-                return Response(status_code=499)
-            return {
-                "model": mount.name,
-                "text": response.text,
-                "finish_reason": response.finish_reason,
-                "output_hash": response.output_hash,
-                "tokens_per_second": response.tokens_per_second(),
-                "usage": _usage(response),
-                "timings": response.timings.as_dict(),
-            }
-
-        app.add_api_route(
-            mount.path, chat, methods=["POST"], response_model=None, name=f"chat:{mount.name}",
-            summary=f"Answer one prompt with {mount.name}",
-            responses={200: {"model": ChatAnswer}, **_COMMON_ERRORS},
-        )
-
-    for mount in mounts:
-        add_chat_route(mount)
-
-    # -- OpenAI-compatible routes --------------------------------------------------------------
-    @app.post("/v1/chat/completions", response_model=None, summary="OpenAI chat.completions.create",
-              responses={200: {"model": ChatCompletion, "content": {"text/event-stream": {}}},
-                         404: {"model": ErrorBody, "description": "unknown model (several served)"},
-                         **_COMMON_ERRORS})
-    async def chat_completions(body: CompletionRequest, request: Request) -> Any:  # type: ignore[valid-type]
-        mount = mount_for(body.model)
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        generation = await admit(
-            mount, [m.plain() for m in body.messages],
-            max_tokens=config.max_tokens if max_tokens is None else max_tokens,
-            temperature=0.0 if body.temperature is None else body.temperature,
-            seed=0 if body.seed is None else body.seed, stop=body.stop, prompt_field="messages",
-        )
-        ident = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        fingerprint = f"fp_{mount.model.fingerprint[:12]}"
-        if body.stream:
-            usage_chunk = body.stream_options is None or body.stream_options.include_usage
-            events = _sse(mount, generation, ident, created, fingerprint, usage_chunk, finished)
-            return _EventStream(events, generation)
-        response = await complete(mount, generation, request, "messages")
-        if response is None:
-            return Response(status_code=499)
-        return {
-            "id": ident,
-            "object": "chat.completion",
-            "created": created,
-            "model": mount.name,
-            "system_fingerprint": fingerprint,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": response.text},
-                         "finish_reason": response.finish_reason, "logprobs": None}],
-            "usage": _openai_usage(response),
-            "timings": response.timings.as_dict(),
-        }
-
-    @app.get("/v1/models", response_model=ModelList, summary="The served models")
-    async def list_models() -> Any:
-        return {"object": "list", "data": [_card(m) for m in mounts]}
-
-    @app.get("/v1/models/{model_id}", response_model=ModelCard, summary="One served model",
-             responses={404: {"model": ErrorBody}})
-    async def get_model(model_id: str) -> Any:
-        if model_id not in by_name:
+    async def get_model(self, model_id: str) -> ModelCard:
+        if model_id not in self.by_name:
             raise ApiError(404, f"model {model_id!r} is not served here", type="not_found_error",
                            param="model", code="model_not_found")
-        return _card(by_name[model_id])
+        return _card(self.by_name[model_id])
 
-    # -- operations ------------------------------------------------------------------------------
-    @app.get("/health", response_model=Health, summary="Liveness for gateways (no token needed)",
-             responses={503: {"model": Health, "description": "a served model is closed"}})
-    async def health() -> Any:
-        models = [
-            {"id": m.name, "path": m.path, "closed": _unavailable(m), "in_flight": m.gate.in_flight,
-             "capacity": m.capacity}
-            for m in mounts
-        ]
-        ok = not any(entry["closed"] for entry in models)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "models": models}, status_code=200 if ok else 503)
+    async def health(self, response: Response) -> Health:
+        models = [ModelHealth(id=m.name, path=m.path, closed=_unavailable(m), in_flight=m.gate.in_flight,
+                              capacity=m.capacity) for m in self.mounts]
+        ok = not any(entry.closed for entry in models)
+        response.status_code = 200 if ok else 503
+        return Health(status="ok" if ok else "unavailable", models=models)
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text format",
-             responses={200: {"content": {metrics_mod.CONTENT_TYPE: {}}}})
-    async def metrics() -> Any:
-        return PlainTextResponse(metrics_mod.render(service_metrics, mounts), media_type=metrics_mod.CONTENT_TYPE)
+    async def metrics_text(self) -> PlainTextResponse:
+        return PlainTextResponse(metrics_mod.render(self.metrics, self.mounts), media_type=metrics_mod.CONTENT_TYPE)
 
-    _add_security_scheme(app, config.bearer_token is not None)
-    routes = frozenset({m.path for m in mounts} | {"/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                                                   "/openapi.json"})
+
+# -- the POST endpoints (their body types are built per service) -------------------------------
+def seed_endpoint(service: Service, mount: Mount, body_model: type) -> Callable[..., Any]:
+    """``POST <path>`` of one served model: one prompt, answered whole."""
+
+    async def chat(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
+        call = seed_call(body)
+        generation = await service.admit(mount, call)
+        response = await service.complete(mount, generation, request, call)
+        if response is None:
+            return Response(status_code=499)
+        return ChatAnswer.of(mount.name, response)
+
+    return chat
+
+
+def completions_endpoint(service: Service, body_model: type) -> Callable[..., Any]:
+    """``POST /v1/chat/completions``: answered whole, or streamed as SSE chunks."""
+
+    async def chat_completions(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
+        mount = service.mount_for(body.model)
+        call = openai_call(body, service.max_tokens)
+        generation = await service.admit(mount, call)
+        envelope = Envelope.new(mount.name, mount.model.fingerprint)
+        if body.stream:
+            include_usage = body.stream_options is None or body.stream_options.include_usage
+            return _EventStream(service.events(mount, generation, call, envelope, include_usage), generation)
+        response = await service.complete(mount, generation, request, call)
+        if response is None:
+            return Response(status_code=499)
+        return ChatCompletion.of(envelope, response)
+
+    return chat_completions
+
+
+# -- the application ---------------------------------------------------------------------------
+def build_app(config: ServiceConfig) -> FastAPI:
+    """A new ASGI application serving ``config``'s leases (each build has its own pools and counters)."""
+    mounts = [Mount(path=s.path, model=s.model, name=s.name, max_concurrent=config.max_concurrent)
+              for s in config.mounts]
+    routes = service_routes((m.path, m.name) for m in mounts)
+    service = Service(config, mounts)
+    app = FastAPI(title=config.title, version=__version__, docs_url=None, redoc_url=None,
+                  description="Local GGUF models over HTTP (aner_nb): the seed /chat route and OpenAI-compatible "
+                  "routes.", lifespan=_lifespan(mounts))
+    app.state.mounts = mounts
+    install_handlers(app)
+    endpoints = _endpoints(service, request_models(max_tokens=config.max_tokens, max_rows=config.max_rows))
+    for route in routes:
+        if not route.builtin:
+            _add_route(app, route, endpoints[route.name])
+    app.openapi = _openapi(app, bearer=config.bearer_token is not None)  # type: ignore[method-assign]
     app.add_middleware(Guard, max_body_bytes=config.max_body_bytes, bearer_token=config.bearer_token,
-                       routes=routes, record=service_metrics.request)
+                       open_paths=OPEN_PATHS, routes=metric_labels(routes), record=service.metrics.request)
     return app
+
+
+def _endpoints(service: Service, bodies: Any) -> dict[str, Callable[..., Any]]:
+    """Every route's endpoint by route name (see ``routes``)."""
+    seeds = {f"chat:{m.name}": seed_endpoint(service, m, bodies.chat) for m in service.mounts}
+    return {
+        **seeds,
+        "chat_completions": completions_endpoint(service, bodies.completion),
+        "list_models": service.list_models,
+        "get_model": service.get_model,
+        "health": service.health,
+        "metrics": service.metrics_text,
+    }
+
+
+def _add_route(app: FastAPI, route: Route, endpoint: Callable[..., Any]) -> None:
+    extra = {"response_class": route.response_class} if route.response_class is not None else {}
+    app.add_api_route(route.path, endpoint, methods=[route.method], name=route.name, summary=route.summary,
+                      response_model=route.response_model, responses=dict(route.responses), **extra)
+
+
+def _lifespan(mounts: list[Mount]) -> Callable[[FastAPI], Any]:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for mount in mounts:  # cancel what still runs, then join the worker threads
+            await asyncio.to_thread(mount.shutdown)
+
+    return lifespan
 
 
 class _EventStream(StreamingResponse):
@@ -314,43 +317,11 @@ class _EventStream(StreamingResponse):
             self._generation.abort()  # a no-op once the stream ended normally
 
 
-async def _sse(mount: Mount, generation: Generation, ident: str, created: int, fingerprint: str,
-               usage_chunk: bool, finished: Any) -> AsyncIterator[str]:
-    import json
-
-    def event(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-    def chunk(delta: dict[str, Any], finish_reason: Optional[str] = None) -> str:
-        return event({
-            "id": ident, "object": "chat.completion.chunk", "created": created, "model": mount.name,
-            "system_fingerprint": fingerprint,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-        })
-
-    yield chunk({"role": "assistant", "content": ""})
-    try:
-        async for piece in generation.pieces():
-            yield chunk({"content": piece})
-        response = finished(mount, generation)
-    except RequestTimeout:
-        yield event(ApiError(504, "the request ran past the service's timeout; its generation was cancelled",
-                             type="timeout_error", code="timeout").body())
-        return
-    except ApiError as exc:
-        yield event(exc.body())
-        return
-    except llm_errors.LLMError as exc:
-        yield event(from_library(exc).body())
-        return
-    yield chunk({}, response.finish_reason)
-    if usage_chunk:
-        yield event({
-            "id": ident, "object": "chat.completion.chunk", "created": created, "model": mount.name,
-            "system_fingerprint": fingerprint, "choices": [], "usage": _openai_usage(response),
-            "timings": response.timings.as_dict(),
-        })
-    yield "data: [DONE]\n\n"
+def _event(payload: Any) -> str:
+    """One SSE ``data:`` event: a response model (only the fields it was given) or a plain dict."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump(mode="json", exclude_unset=True)
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -369,48 +340,35 @@ def _unavailable(mount: Mount) -> bool:
     return stats is not None and not stats.running
 
 
-def _loc(loc: Any) -> Optional[str]:
-    parts = [p for p in loc if p != "body"]
-    if not parts:
-        return None
-    out = str(parts[0])
-    for p in parts[1:]:
-        out += f"[{p}]" if isinstance(p, int) else f".{p}"
-    return out
+def _card(mount: Mount) -> ModelCard:
+    return ModelCard(id=mount.name, object="model", created=mount.created, owned_by="aner_nb")
 
 
-def _usage(response: Any) -> dict[str, int]:
-    u = response.usage
-    return {"prompt_tokens": u.prompt_tokens, "cached_input_tokens": u.cached_input_tokens,
-            "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
-
-
-def _openai_usage(response: Any) -> dict[str, Any]:
-    u = response.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "prompt_tokens_details": {"cached_tokens": u.cached_input_tokens}}
-
-
-def _card(mount: Mount) -> dict[str, Any]:
-    return {"id": mount.name, "object": "model", "created": mount.created, "owned_by": "aner_nb"}
-
-
-def _add_security_scheme(app: FastAPI, enabled: bool) -> None:
-    """Publish the bearer requirement in /openapi.json (the Guard enforces it)."""
-    if not enabled:
-        return
-    original = app.openapi
+def _openapi(app: FastAPI, *, bearer: bool) -> Callable[[], dict[str, Any]]:
+    """``app.openapi`` that also publishes the SSE chunk schema and, with a token, the bearer requirement."""
+    generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = original()
-            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-            for path, operations in schema.get("paths", {}).items():
-                if path in ("/health", "/openapi.json"):
-                    continue
-                for operation in operations.values():
-                    operation["security"] = [{"bearer": []}]
+            schema = generate()
+            components = schema.setdefault("components", {})
+            _add_models(components.setdefault("schemas", {}), ChatCompletionChunk)
+            if bearer:  # enforced by the Guard
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                for path, operations in schema.get("paths", {}).items():
+                    if path not in OPEN_PATHS:
+                        for operation in operations.values():
+                            operation["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
+    return openapi
+
+
+def _add_models(schemas: dict[str, Any], *models: type[BaseModel]) -> None:
+    """Add ``models`` (and the models they use) to the schema's components, keeping those already there."""
+    from pydantic.json_schema import models_json_schema
+
+    _, top = models_json_schema([(m, "serialization") for m in models], ref_template="#/components/schemas/{model}")
+    for name, definition in top.get("$defs", {}).items():
+        schemas.setdefault(name, definition)
