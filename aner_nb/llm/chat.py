@@ -258,14 +258,16 @@ class ChatTemplate:
         try:
             return self._compiled.render(context)
         except _TemplateRaised as exc:
-            raise ChatTemplateError(f"chat template ({self.origin}) rejected the messages: {exc.message}") from exc
+            raise ChatTemplateError(
+                f"chat template ({self.origin}) rejected the messages: {exc.message}", param="messages"
+            ) from exc
         except SecurityError as exc:
             raise ChatTemplateError(
-                f"chat template ({self.origin}) attempted an operation the sandbox forbids: {exc}"
+                f"chat template ({self.origin}) attempted an operation the sandbox forbids: {exc}", param="messages"
             ) from exc
         except Exception as exc:  # noqa: BLE001 - template code may raise anything
             raise ChatTemplateError(
-                f"chat template ({self.origin}) failed to render: {type(exc).__name__}: {exc}"
+                f"chat template ({self.origin}) failed to render: {type(exc).__name__}: {exc}", param="messages"
             ) from exc
 
 
