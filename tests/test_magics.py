@@ -24,7 +24,7 @@ from aner_nb.llm import _engine
 from aner_nb.magics import display as display_mod
 from aner_nb.magics import interpolate, kv_table
 from aner_nb.magics.magics import LLMMagics
-from aner_nb.magics.parser import SUBCOMMANDS
+from aner_nb.magics.magics import SUBCOMMANDS
 
 CTX = 256
 

@@ -130,12 +130,13 @@ class SequenceOutput:
     def response(self, reason: str | None = None) -> Response:
         """Build (and record on the job) the final Response."""
         job = self.job
-        parts = [*job.parts, self.run_timings()]
+        text = self.assembler.text
+        parts = list(job.parts)
         if self.speculation is not None:
             parts.append(SpeculativeTimings(*self.speculation))
-        timings = Timings.assemble(*parts)
+        timings = Timings.assemble(*parts, self.run_timings())  # the total is taken last: the response is ready
         response = Response(
-            text=self.assembler.text,
+            text=text,
             tokens=tuple(self.tokens),
             finish_reason=reason or self.reason,
             usage=Usage(

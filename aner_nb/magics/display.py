@@ -2,8 +2,10 @@
 
 A notebook gets a single output created with ``display(..., display_id=True)``
 and updated with ``.update`` at most every ``interval`` seconds while pieces
-arrive, then replaced by the timings panel. A terminal IPython cannot update
-an output in place, so it gets the pieces printed as they come instead.
+arrive, then replaced by the answer with its timings dashboard below it
+(:func:`aner_nb.widgets.response_panel`: a widget with a static HTML fallback
+for saved notebooks). A terminal IPython cannot update an output in place, so
+it gets the pieces printed as they come, then :func:`timings_line`.
 """
 
 from __future__ import annotations
@@ -13,32 +15,9 @@ import sys
 import time
 from typing import Any, Callable
 
-__all__ = ["timings_panel", "timings_line", "make_view", "UpdatingView", "PrintView", "FinalView", "NullView"]
+from ..widgets.timings import response_panel, timings_line
 
-
-def timings_panel(response: Any) -> Any:
-    """What ends a request's display: the Response itself (its ``_repr_html_`` shows text and timings).
-
-    When ``aner_nb.widgets`` lands, replace this function with
-    ``from aner_nb.widgets import timings_panel``.
-    """
-    return response
-
-
-def timings_line(response: Any) -> str:
-    """A one-line plain-text summary of a Response's timings, for terminals."""
-    t = response.timings
-
-    def ms(ns: int) -> str:
-        return "-" if ns < 0 else f"{ns / 1e6:.1f} ms"
-
-    tps = response.tokens_per_second()
-    return (
-        f"[{response.finish_reason}] {response.usage.completion_tokens} tokens; prompt {t.prompt_tokens} "
-        f"(cached {t.cached_input_tokens}); prefill {ms(t.prompt_eval_duration)}, first token "
-        f"{ms(t.first_token_duration)}, decode {ms(t.decode_duration)}, total {ms(t.total_duration)}"
-        + ("" if tps < 0 else f", {tps:.1f} tok/s")
-    )
+__all__ = ["make_view", "UpdatingView", "PrintView", "FinalView", "NullView"]
 
 
 def _bundle(text: str, status: str) -> dict[str, str]:
@@ -85,7 +64,7 @@ class UpdatingView:
         if self._handle is None:
             return
         if response is not None:
-            self._handle.update(timings_panel(response))
+            self._handle.update(response_panel(response))
         else:
             self._handle.update(_bundle(self.text, "cancelled" if cancelled else "failed"), raw=True)
 
@@ -126,7 +105,7 @@ class PrintView:
 
 
 class FinalView:
-    """``--no-stream`` in a notebook: nothing while generating, then the timings panel."""
+    """``--no-stream`` in a notebook: nothing while generating, then the answer and its timings panel."""
 
     def start(self) -> None:
         pass
@@ -138,7 +117,7 @@ class FinalView:
         from IPython.display import display
 
         if response is not None:
-            display(timings_panel(response))
+            display(response_panel(response))
         else:
             display(_bundle("", "cancelled" if cancelled else "failed"), raw=True)
 

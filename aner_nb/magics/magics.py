@@ -1,9 +1,13 @@
 """``LLMMagics``: the ``%llm`` line magic and the ``%%generate`` / ``%%chat`` cell magics.
 
-Thin on purpose: parse the arguments (``parser``), call the library (or the
-pure functions of ``tables``), show the result (``display``). Handle lifetime
-is the registry's job (``handles``); ``Extension`` wires everything into one
-shell and takes it out again symmetrically.
+Thin on purpose: parse the arguments, call the library (or the pure
+functions of ``tables``), show the result (``display``). As with IPython's
+``magic_arguments``, each subcommand's grammar sits on its handler: a
+``%llm`` subcommand is one ``_llm_NAME`` method with ``@subcommand(...)``
+(usage, description, Python equivalent) and its ``@argument`` options; the
+method order is the order ``%llm help`` lists them. Handle lifetime is the
+registry's job (``handles``); ``Extension`` wires everything into one shell
+and takes it out again symmetrically.
 """
 
 from __future__ import annotations
@@ -20,28 +24,74 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from traitlets import Bool, Enum, Float, Int
 
-from ..llm import LLMModel, Session, load
+from ..llm import KV_CACHE_TYPES, load
 from ..llm.errors import EngineError, LLMError
+from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION
 from .display import make_view
 from .handles import HandleRegistry
 from .parser import (
-    BENCH_PROMPT,
-    NOT_YET,
-    SUBCOMMANDS,
+    Grammar,
     HelpShown,
-    cell_parser,
+    argument,
+    arguments,
+    cell_grammar,
     check_name,
+    grammar_of,
+    int_arg,
     interpolate,
     one_line,
     overview,
-    parse_chat,
-    parse_generate,
     parse_llm,
-    subcommand_parser,
+    subcommand,
 )
 from .tables import bench_outputs, bench_table, handle_info, handle_kind, is_handle, kv_table
 
-__all__ = ["LLMMagics", "Extension", "library_errors"]
+__all__ = ["LLMMagics", "Extension", "library_errors", "SUBCOMMANDS", "COMMANDS", "CELL_GRAMMARS", "BENCH_PROMPT"]
+
+# %llm bench without --prompt: one short prompt, so a quick A/B needs no arguments.
+BENCH_PROMPT = "Write one sentence about why the sky is blue."
+
+
+# %llm optimize's options: with_optimizer's keyword arguments, each --key-with-dashes N.
+_OPTIMIZER = ("threads", "prefill_threads", "batch_tokens", "micro_batch_tokens",
+              "prefix_cache_entries", "prefix_cache_tokens", "speculative_tokens")
+
+
+# Options several subcommands share, as reusable decorators.
+_NEW_HANDLE = argument("--as", dest="name", metavar="NAME", required=True, help="variable name for the new handle")
+_SOURCE = argument("src", metavar="SRC", help="the source handle")
+
+
+def _derives(sub: str, method: str, option: str, *, description: str) -> Any:
+    """The handler of ``%llm SUB SRC --as NAME --OPTION N``: ``NAME = SRC.METHOD(N)``, with its grammar."""
+    flag = f"--{option.replace('_', '-')}"
+
+    @subcommand(sub, usage=f"%llm {sub} SRC --as NAME {flag} N", description=description,
+                python=f"NAME = SRC.{method}(N)")
+    @_SOURCE
+    @_NEW_HANDLE
+    @argument(flag, type=int_arg, metavar="N", required=True)
+    def handler(self: "LLMMagics", args: Any) -> None:
+        self._derive(sub, args.src, args.name, method, getattr(args, option))
+
+    return handler
+
+
+def _request_options(p: Any) -> None:
+    """The options every request cell shares (%%generate, %%chat)."""
+    p.add_argument("--max-tokens", type=int_arg, metavar="N",
+                   help="most tokens to generate (default: %%config LLMMagics.max_tokens)")
+    p.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 (greedy, default) .. 2")
+    p.add_argument("--seed", type=int_arg, metavar="S", default=0)
+    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--as", dest="var", metavar="VAR", help="also store the Response in this variable")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--stream", dest="display", action="store_const", const="stream",
+                      help="stream into the display (default: %%config LLMMagics.display)")
+    mode.add_argument("--no-stream", dest="display", action="store_const", const="final",
+                      help="show only the final answer and timings")
+    mode.add_argument("--quiet", dest="display", action="store_const", const="none",
+                      help="show nothing (the Response still goes to VAR and _)")
 
 
 @contextmanager
@@ -80,14 +130,10 @@ class LLMMagics(Magics):
     @line_magic
     def llm(self, line: str = "") -> Any:
         try:
-            sub, args = parse_llm(line)
+            sub, args = parse_llm(line, COMMANDS)
         except HelpShown:
             return None
-        if sub in NOT_YET:
-            raise UsageError(f"%llm {sub} is not available yet")
-        return getattr(self, f"_llm_{sub}")(args)
-
-    llm.__doc__ = overview()
+        return _HANDLERS[sub](self, args)
 
     @property
     def ns(self) -> dict[str, Any]:
@@ -104,6 +150,23 @@ class LLMMagics(Magics):
             raise UsageError(f"{prog}: {what}{live}")
         return value
 
+    @subcommand(
+        "load",
+        usage="%llm load PATH --as NAME [--context N] [--device D] [--kv-cache-type T] "
+        "[--flash-attention P] [--chat-template T] [--cpu-extra-buffers B]",
+        description="Admit, hash and load a GGUF model; re-running with the same NAME closes the previous NAME first.",
+        python="NAME = llm.load(PATH, context=N, device=D, kv_cache_type=T, flash_attention=P, chat_template=T, "
+        "cpu_extra_buffers=B)",
+    )
+    @argument("path", metavar="PATH", help="a single-file GGUF text model")
+    @_NEW_HANDLE
+    @argument("--context", type=int_arg, metavar="N", help="context tokens (default 4096)")
+    @argument("--device", metavar="D", help="auto, cpu, cuda, cuda:0, metal (default auto)")
+    @argument("--kv-cache-type", choices=KV_CACHE_TYPES, help="KV cache type (default f16)")
+    @argument("--flash-attention", choices=FLASH_ATTENTION, help="flash attention (default auto)")
+    @argument("--chat-template", metavar="T", help="a built-in template name (e.g. gemma) or a Jinja string")
+    @argument("--cpu-extra-buffers", choices=CPU_EXTRA_BUFFERS,
+              help="AMX/repack weight buffers (default auto: probed once per CPU and build)")
     def _llm_load(self, args: Any) -> None:
         name = check_name(args.name, "%llm load")
         kwargs = {
@@ -125,16 +188,17 @@ class LLMMagics(Magics):
             raise
         print(f"{name} = {handle!r}  (loaded and SHA-256 verified in {time.perf_counter() - t0:.2f} s)")
 
+    def _on_handle(self, sub: str, name: str, show: Callable[[Any], Any]) -> Any:
+        """``show(handle)`` for the handle bound to ``name``; a library error becomes a one-line UsageError."""
+        handle = self._handle(name, f"%llm {sub}")
+        with library_errors(f"%llm {sub}"):
+            return show(handle)
+
     def _derive(self, sub: str, src_name: str, name: str, method: str, *args: Any, **kwargs: Any) -> None:
-        if getattr(LLMModel, method, None) is None:
-            raise UsageError(f"%llm {sub} is not available in this version: LLMModel.{method}() has not landed yet")
         check_name(name, f"%llm {sub}")
         src = self._handle(src_name, f"%llm {sub}")
-        builder = getattr(src, method, None)
-        if builder is None:
-            raise UsageError(f"%llm {sub}: {src_name!r} is a {handle_kind(src)}; {method}() derives from leases only")
-        with library_errors(f"%llm {sub}"):
-            derived = builder(*args, **kwargs)
+        with library_errors(f"%llm {sub}"):  # a session or batching lease rejects builders itself
+            derived = getattr(src, method)(*args, **kwargs)
         try:
             self.handles.bind(name, derived)
         except BaseException:
@@ -142,34 +206,92 @@ class LLMMagics(Magics):
             raise
         print(f"{name} = {derived!r}")
 
+    @subcommand(
+        "optimize",
+        usage="%llm optimize SRC --as NAME [--threads N] [--prefill-threads N] [--batch-tokens N] "
+        "[--micro-batch-tokens N] [--prefix-cache-entries N] [--prefix-cache-tokens N] [--speculative-tokens N]",
+        description="Derive a latency-profile lease (threads, batch sizes, prefix cache, prompt lookup) "
+        "on the same weights.",
+        python="NAME = SRC.with_optimizer(threads=N, prefill_threads=N, batch_tokens=N, micro_batch_tokens=N, "
+        "prefix_cache_entries=N, prefix_cache_tokens=N, speculative_tokens=N)",
+    )
+    @_SOURCE
+    @_NEW_HANDLE
+    @arguments(lambda p: [p.add_argument(f"--{k.replace('_', '-')}", type=int_arg, metavar="N") for k in _OPTIMIZER])
     def _llm_optimize(self, args: Any) -> None:
-        keys = ("threads", "prefill_threads", "batch_tokens", "micro_batch_tokens",
-                "prefix_cache_entries", "prefix_cache_tokens", "speculative_tokens")
-        settings = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+        settings = {k: getattr(args, k) for k in _OPTIMIZER if getattr(args, k) is not None}
         self._derive("optimize", args.src, args.name, "with_optimizer", **settings)
 
-    def _llm_batch(self, args: Any) -> None:
-        self._derive("batch", args.src, args.name, "with_batching", args.max_sequences)
+    _llm_batch = _derives(
+        "batch", "with_batching", "max_sequences",
+        description="Derive a continuous-batching (throughput) lease serving up to N sequences at once.",
+    )
 
+    @subcommand(
+        "adapter",
+        usage="%llm adapter SRC MANIFEST --as NAME",
+        description="Derive a lease with the LoRA adapter described by MANIFEST.",
+        python="NAME = SRC.with_adapter(MANIFEST)",
+    )
+    @_SOURCE
+    @argument("manifest", metavar="MANIFEST", help="the adapter manifest file")
+    @_NEW_HANDLE
     def _llm_adapter(self, args: Any) -> None:
         self._derive("adapter", args.src, args.name, "with_adapter", os.path.expanduser(args.manifest))
 
-    def _llm_pool(self, args: Any) -> None:
-        self._derive("pool", args.src, args.name, "with_context_pool", args.max_idle)
+    _llm_pool = _derives(
+        "pool", "with_context_pool", "max_idle",
+        description="Derive a lease that keeps up to N (0..4) idle contexts between requests.",
+    )
 
+    @subcommand(
+        "list",
+        usage="%llm list",
+        description="A DataFrame of the live handles: name, kind, architecture, profile, device, context, "
+        "fingerprint, state.",
+        python="from aner_nb.magics import handle_table; handle_table(globals())",
+    )
     def _llm_list(self, args: Any) -> Any:
         return self.handles.table()
 
+    @subcommand(
+        "info",
+        usage="%llm info NAME",
+        description="Metadata, load summary, memory summary and KV estimate of one handle, as a DataFrame.",
+        python="from aner_nb.magics import handle_info; handle_info(NAME)  "
+        "# NAME.memory_summary(), NAME.load_summary()",
+    )
+    @argument("target", metavar="NAME")
     def _llm_info(self, args: Any) -> Any:
-        handle = self._handle(args.target, "%llm info")
-        with library_errors("%llm info"):
-            return handle_info(handle, model=self.handles.parent_of(handle))
+        return self._on_handle("info", args.target, lambda h: handle_info(h, model=self.handles.parent_of(h)))
 
+    @subcommand(
+        "kv",
+        usage="%llm kv NAME [--context N] [--kv-cache-type T] [--slots N]",
+        description="KV-cache bytes for N resident contexts of this model (every KV type unless --kv-cache-type).",
+        python="from aner_nb.magics import kv_table; kv_table(NAME, context=N, kv_cache_type=T, slots=S)  "
+        "# llm.kv_estimate(context, layers, kv_heads, head_dim_k, head_dim_v, T) * S",
+    )
+    @argument("target", metavar="NAME")
+    @argument("--context", type=int_arg, metavar="N", help="context tokens (default: the handle's)")
+    @argument("--kv-cache-type", choices=KV_CACHE_TYPES, help="one KV type (default: all of them)")
+    @argument("--slots", type=int_arg, metavar="N", default=1,
+              help="resident contexts of this size: active requests + idle pool + sessions (default 1)")
     def _llm_kv(self, args: Any) -> Any:
-        handle = self._handle(args.target, "%llm kv")
-        with library_errors("%llm kv"):
-            return kv_table(handle, context=args.context, kv_cache_type=args.kv_cache_type, slots=args.slots)
+        return self._on_handle(
+            "kv", args.target, lambda h: kv_table(h, context=args.context, kv_cache_type=args.kv_cache_type,
+                                                  slots=args.slots)
+        )
 
+    @subcommand(
+        "close",
+        usage="%llm close NAME [NAME ...] | --all",
+        description="Close handles (and the %%chat sessions opened on them); weights are freed when no lease "
+        "uses them.",
+        python="NAME.close()",
+    )
+    @argument("targets", metavar="NAME", nargs="*")
+    @argument("--all", action="store_true", help="close every handle the extension tracks")
     def _llm_close(self, args: Any) -> None:
         if args.all == bool(args.targets):
             raise UsageError("%llm close: name the handles to close, or give --all (not both)")
@@ -181,9 +303,18 @@ class LLMMagics(Magics):
             self.handles.close(handle)
         print(f"closed {', '.join(args.targets)}")
 
+    @subcommand(
+        "serve",
+        usage="%llm serve NAME [--port P]",
+        description="Serve a handle over HTTP on 127.0.0.1 (POST /chat, POST /v1/chat/completions, GET /v1/models, "
+        "/health, /metrics) from a background thread; the handle stays alive until %llm stop.",
+        python="server = api.app(title).llm(path='/chat', model=NAME).bind(port=P).start()   # from aner_nb import api",
+    )
+    @argument("target", metavar="NAME")
+    @argument("--port", type=int_arg, metavar="P", default=11435, help="port on 127.0.0.1 (default 11435; 0: any free)")
     def _llm_serve(self, args: Any) -> Any:
         handle = self._handle(args.target, "%llm serve")
-        if isinstance(handle, Session):
+        if handle.kind == "session":
             raise UsageError(f"%llm serve: {args.target!r} is a chat session; serve the lease it was opened on")
         running = self.handles.servers().get(args.target)
         if running is not None:
@@ -195,6 +326,14 @@ class LLMMagics(Magics):
         self.handles.add_server(args.target, handle, server)
         return server
 
+    @subcommand(
+        "stop",
+        usage="%llm stop [NAME]",
+        description="Stop the HTTP server of NAME (default: every server started by %llm serve); "
+        "the handle stays open.",
+        python="server.stop()",
+    )
+    @argument("target", metavar="NAME", nargs="?")
     def _llm_stop(self, args: Any) -> None:
         served = list(self.handles.servers())
         if args.target is not None and args.target not in served:
@@ -203,17 +342,26 @@ class LLMMagics(Magics):
         stopped = self.handles.stop_servers(args.target)
         print(f"stopped serving {', '.join(stopped)}" if stopped else "no server was running")
 
-    def _llm_help(self, args: Any) -> None:
-        topic = args.topic
-        if topic is None:
-            print(overview())
-        elif topic in SUBCOMMANDS:
-            print(subcommand_parser(topic).format_help())
-        elif topic.lstrip("%") in ("generate", "chat"):
-            print(cell_parser(topic.lstrip("%")).format_help())
-        else:
-            raise UsageError(f"%llm help: unknown topic {topic!r}; use one of: {', '.join(SUBCOMMANDS)}, generate, chat")
-
+    @subcommand(
+        "bench",
+        usage="%llm bench A B [--prompt TEXT ...] [--max-tokens N] [--rounds N] [--warmup N] [--as VAR]",
+        description="Paired benchmark of two handles: the same prompts on both, ABBA order, warm-up rounds dropped. "
+        "Shows medians with min/max and the ratio to A (first_token_ms, decode_tokens_per_s, total_ms) and, "
+        "per prompt, whether B's output is identical to A's; the BenchResult goes to VAR and _.",
+        python="from aner_nb import bench; from aner_nb.magics import bench_table, bench_outputs; "
+        "VAR = bench.run_sides([bench.lease_side('A', A), bench.lease_side('B', B)], "
+        "[bench.Case('p1', TEXT, max_tokens=N)], rounds=N, warmup=N, baseline='A', manifest_=bench.manifest(B)); "
+        "bench_table(VAR); bench_outputs(VAR)",
+    )
+    @argument("a", metavar="A", help="the baseline handle (a lease)")
+    @argument("b", metavar="B", help="the handle compared with A (a lease)")
+    @argument("--prompt", dest="prompts", action="append", metavar="TEXT",
+              help="a prompt (repeatable; {var} is replaced by the variable's value; "
+              "default: one short built-in prompt)")
+    @argument("--max-tokens", type=int_arg, metavar="N", default=64, help="tokens per request (default 64)")
+    @argument("--rounds", type=int_arg, metavar="N", default=3, help="measured rounds (default 3)")
+    @argument("--warmup", type=int_arg, metavar="N", default=1, help="warm-up rounds, dropped (default 1)")
+    @argument("--as", dest="var", metavar="VAR", help="also store the BenchResult in this variable")
     def _llm_bench(self, args: Any) -> None:
         prog = "%llm bench"
         if args.a == args.b:
@@ -230,7 +378,7 @@ class LLMMagics(Magics):
         leases = []
         for name in (args.a, args.b):
             handle = self._handle(name, prog)
-            if isinstance(handle, Session) or not callable(getattr(handle, "generate", None)):
+            if handle.kind == "session":
                 raise UsageError(f"{prog}: {name!r} is a {handle_kind(handle)}; bench compares leases")
             if handle.closed:
                 raise UsageError(f"{prog}: {name!r} is closed")
@@ -262,46 +410,86 @@ class LLMMagics(Magics):
         except Exception:
             self.ns["_"] = result
 
+    @subcommand(
+        "help",
+        usage="%llm help [SUBCOMMAND]",
+        description="Show this overview, or one subcommand's options.",
+        python="help(aner_nb.llm)",
+    )
+    @argument("topic", metavar="SUBCOMMAND", nargs="?")
+    def _llm_help(self, args: Any) -> None:
+        topic = args.topic
+        if topic is None:
+            print(OVERVIEW)
+        elif topic in COMMANDS:
+            print(COMMANDS[topic].format_help())
+        elif topic.lstrip("%") in CELL_GRAMMARS:
+            print(CELL_GRAMMARS[topic.lstrip("%")].format_help())
+        else:
+            topics = ", ".join([*COMMANDS, *CELL_GRAMMARS])
+            raise UsageError(f"%llm help: unknown topic {topic!r}; use one of: {topics}")
+
     # -- %%generate / %%chat --------------------------------------------------------
     @cell_magic
+    @cell_grammar(
+        "generate",
+        usage="%%generate NAME [--max-tokens N] [--temperature T] [--seed S] [--stop STR] [--as VAR] "
+        "[--stream | --no-stream | --quiet]",
+        description="The cell body is the prompt ({var} is replaced by the variable's value; unknown names stay as "
+        "written, {{var}} is a literal {var}). The answer streams into one display that ends with the "
+        "timings panel; the Response goes to VAR and to _. Ctrl-C cancels; the handle stays usable.",
+        python="s = NAME.stream(prompt, max_tokens=N, temperature=T, seed=S, stop=[STR]); "
+        "for piece in s: print(piece, end=''); VAR = s.response   # or VAR = NAME.generate(prompt, ...)",
+    )
+    @argument("target", metavar="NAME", help="the handle to ask")
+    @arguments(_request_options)
     def generate(self, line: str, cell: str) -> None:
         try:
-            args = parse_generate(line)
+            args = self.generate.grammar.parse_line(line)
         except HelpShown:
             return None
         handle = self._handle(args.target, "%%generate")
-        if isinstance(handle, Session):
+        if handle.kind == "session":
             raise UsageError(f"%%generate: {args.target!r} is a chat session; use %%chat LEASE --session {args.target}")
         if args.var is not None:
             check_name(args.var, "%%generate", "--as")
         prompt = self._prompt(cell, "%%generate")
         self._answer("%%generate", lambda **kw: handle.stream(prompt, **kw), args)
 
-    generate.__doc__ = cell_parser("generate").format_help()
-
     @cell_magic
+    @cell_grammar(
+        "chat",
+        usage="%%chat NAME [--session VAR] [--system TEXT] [--new] [--max-tokens N] [--temperature T] [--seed S] "
+        "[--stop STR] [--as VAR] [--stream | --no-stream | --quiet]",
+        description="Send the cell body as the next user turn of a persistent session (default VAR: NAME_chat), "
+        "which keeps its history in its own context across cells. --new starts over.",
+        python="VAR = NAME.session(system=TEXT); r = VAR.send(body, max_tokens=N)   # or VAR.stream(body, ...)",
+    )
+    @argument("target", metavar="NAME", help="the handle to ask")
+    @argument("--session", metavar="VAR", help="variable holding the session (default NAME_chat)")
+    @argument("--system", metavar="TEXT", help="system prompt of a new session")
+    @argument("--new", action="store_true", help="close the existing session and start a new one")
+    @arguments(_request_options)
     def chat(self, line: str, cell: str) -> None:
         try:
-            args = parse_chat(line)
+            args = self.chat.grammar.parse_line(line)
         except HelpShown:
             return None
         target = self._handle(args.target, "%%chat")
         if args.var is not None:
             check_name(args.var, "%%chat", "--as")
         prompt = self._prompt(cell, "%%chat")
-        if isinstance(target, Session):  # %%chat SESSION: talk to that session directly
+        if target.kind == "session":  # %%chat SESSION: talk to that session directly
             session = target
         else:
             session = self._session(target, args)
         self._answer("%%chat", lambda **kw: session.stream(prompt, **kw), args)
 
-    chat.__doc__ = cell_parser("chat").format_help()
-
     def _session(self, lease: Any, args: Any) -> Any:
         """The session ``--session VAR`` (default NAME_chat) on ``lease``: reused, or opened now."""
         var = check_name(args.session or f"{args.target}_chat", "%%chat", "--session")
         session = self.ns.get(var)
-        if session is not None and not isinstance(session, Session):
+        if session is not None and not (is_handle(session) and session.kind == "session"):
             raise UsageError(f"%%chat: {var!r} is a {type(session).__name__}, not a chat session; choose another --session")
         parent = self.handles.parent_of(session) if session is not None else None
         reuse = session is not None and not session.closed and not args.new and parent in (None, lease)
@@ -313,7 +501,7 @@ class LLMMagics(Magics):
             return session
         if session is not None and not session.closed:
             session.close()
-        if not callable(getattr(lease, "session", None)) or not lease.supports("session"):
+        if not lease.supports("session"):
             raise UsageError(f"%%chat: {args.target!r} ({handle_kind(lease)}) has no chat sessions; use %%generate")
         with library_errors("%%chat"):
             session = lease.session(system=args.system)
@@ -360,6 +548,15 @@ class LLMMagics(Magics):
         except Exception:
             self.ns["_"] = response
 
+
+# The grammars declared on LLMMagics' methods, in definition order, with their handlers.
+_DECLARED = [(grammar, func) for func in vars(LLMMagics).values() if (grammar := grammar_of(func)) is not None]
+_HANDLERS = {grammar.name: func for grammar, func in _DECLARED if grammar.prog.startswith("%llm ")}
+COMMANDS: dict[str, Grammar] = {g.name: g for g, _ in _DECLARED if g.prog.startswith("%llm ")}
+CELL_GRAMMARS: dict[str, Grammar] = {g.name: g for g, _ in _DECLARED if g.prog.startswith("%%")}
+SUBCOMMANDS = tuple(COMMANDS)  # in the order %llm help lists them
+OVERVIEW = overview([*COMMANDS.values(), *CELL_GRAMMARS.values()])  # %llm help, and %llm?
+LLMMagics.llm.__doc__ = OVERVIEW
 
 _matcher_pattern = re.compile(r"(?:^|[\s=(])%llm\s+(.*)$")
 _HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve", "stop", "bench"}
@@ -444,8 +641,8 @@ class Extension:
             for name, func in table.items():
                 if manager.magics[kind].get(name) == func:
                     del manager.magics[kind][name]
-        if dict.get(manager.registry, type(self.magics).__name__) is self.magics:
-            del manager.registry[type(self.magics).__name__]
+        for key in [k for k, v in manager.registry.items() if v is self.magics]:
+            del manager.registry[key]
         while self.magics in shell.configurables:
             shell.configurables.remove(self.magics)
         completer = getattr(shell, "Completer", None)

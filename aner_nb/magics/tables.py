@@ -11,7 +11,9 @@ import re
 from typing import Any, Iterable, Mapping
 
 from .. import llm
+from ..llm import Lease
 from ..llm.errors import ConfigurationError
+from ..widgets.kv_budget import kv_budget
 
 __all__ = [
     "is_handle",
@@ -35,25 +37,19 @@ def is_output_cache_name(name: str) -> bool:
 
 
 def is_handle(obj: Any) -> bool:
-    """Whether ``obj`` holds native memory: a lease, a session, a batching model (anything in
-    ``aner_nb.llm`` with ``close`` and ``closed``). Only class attributes are looked at."""
-    cls = type(obj)
-    return (
-        isinstance(cls.__module__, str)
-        and cls.__module__.startswith("aner_nb.llm")
-        and callable(getattr(cls, "close", None))
-        and hasattr(cls, "closed")
-        and not isinstance(obj, type)
-    )
+    """Whether ``obj`` holds native memory: any lease of :mod:`aner_nb.llm` (a model lease, a
+    batching lease, a session), i.e. an instance of the :class:`~aner_nb.llm.Lease` protocol."""
+    return isinstance(obj, Lease)
 
 
-def handle_kind(obj: Any) -> str:
-    if isinstance(obj, llm.Session):
-        return "session"
-    if isinstance(obj, llm.LLMModel):
-        return "lease"
-    name = type(obj).__name__
-    return "batching" if "Batch" in name else name
+# The ``kind`` column of ``%llm list`` / ``%llm info``, from the lease's ``kind``: ordinary, latency and
+# adapter leases are all a ``lease`` there (the ``profile`` column tells their profiles apart).
+_HANDLE_KINDS = {"session": "session", "throughput": "batching"}
+
+
+def handle_kind(obj: Lease) -> str:
+    """``lease``, ``batching`` (a throughput lease) or ``session``."""
+    return _HANDLE_KINDS.get(obj.kind, "lease")
 
 
 def _get(obj: Any, attr: str, default: Any = None) -> Any:
@@ -127,12 +123,10 @@ def handle_info(handle: Any, *, model: Any = None) -> Any:
         idle = _get(profile, "max_idle_contexts")
         if idle is not None:
             info["max_idle_contexts"] = idle
-    if isinstance(handle, llm.Session):
+    if handle.kind == "session":
         info["turns"] = sum(1 for m in handle.messages if m["role"] == "user")
         info["cached_tokens"] = handle.cached_tokens
-    supports = _get(handle, "supports")
-    if callable(supports):
-        info["supports"] = ", ".join(f for f in llm.FEATURES if _safe_supports(supports, f)) or "(closed)"
+    info["supports"] = ", ".join(f for f in llm.FEATURES if handle.supports(f)) or "(closed)"
     load_summary = _get(handle, "load_summary")
     if callable(load_summary):
         for key, value in load_summary().as_dict().items():
@@ -144,13 +138,6 @@ def handle_info(handle: Any, *, model: Any = None) -> Any:
     return pd.DataFrame({"value": pd.Series(info, dtype=object)})
 
 
-def _safe_supports(supports: Any, feature: str) -> bool:
-    try:
-        return bool(supports(feature))
-    except Exception:
-        return False
-
-
 def kv_table(
     handle: Any, *, context: int | None = None, kv_cache_type: str | None = None, slots: int = 1
 ) -> Any:
@@ -158,43 +145,40 @@ def kv_table(
 
     With ``kv_cache_type=None`` every KV type is listed (a type the model's
     head size cannot use is shown as missing with the reason). The model's
-    shape comes from the lease's ``facts`` (its GGUF header).
+    shape comes from the lease's ``facts`` (its GGUF header); the numbers are
+    those of the KV budget calculator (:func:`aner_nb.widgets.kv_budget`),
+    which shows the same estimate interactively.
     """
     import pandas as pd
 
-    path = _get(handle, "path")
-    if path is None:
+    facts = _get(handle, "facts") if is_handle(handle) and handle.kind != "session" else None
+    if facts is None:
         raise ConfigurationError(f"kv_table() needs a lease with a model path, got {type(handle).__name__}")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ConfigurationError(f"slots must be an integer >= 1, got {slots!r}")
-    facts = handle.facts
     context = _get(handle, "context") if context is None else context
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ConfigurationError(f"context must be an integer >= 1, got {context!r}")
-    current = None
-    if not handle.closed and callable(_get(handle, "memory_summary")):
-        current = handle.memory_summary().kv_cache_type
-    types: Iterable[str] = (kv_cache_type,) if kv_cache_type is not None else llm.KV_CACHE_TYPES
+    if kv_cache_type is not None and kv_cache_type not in llm.KV_CACHE_TYPES:
+        allowed = ", ".join(llm.KV_CACHE_TYPES)
+        raise ConfigurationError(f"kv_cache_type must be one of {allowed}, got {kv_cache_type!r}")
+    budget = kv_budget(facts, slots=slots)
+    if kv_cache_type is not None and budget.unusable(kv_cache_type):
+        raise ConfigurationError(budget.unusable(kv_cache_type))
+    current = None if handle.closed else handle.memory_summary().kv_cache_type
+    f = budget.facts
     rows = []
-    for kv_type in types:
-        row: dict[str, Any] = {
+    for kv_type in (kv_cache_type,) if kv_cache_type is not None else llm.KV_CACHE_TYPES:
+        total = budget.total_kv_bytes(kv_type, context)
+        note = budget.unusable(kv_type) or (
+            f"upper bound: sliding-window layers keep about {f.sliding_window} cells" if f.sliding_window else "")
+        rows.append({
             "kv_cache_type": kv_type, "context": context, "slots": slots,
-            "layers": facts.layers, "kv_heads": facts.kv_heads,
-            "head_dim_k": facts.head_dim_k, "head_dim_v": facts.head_dim_v,
-            "bytes_per_slot": None, "total_bytes": None, "total_mib": None,
-            "current": kv_type == current, "note": "",
-        }
-        try:
-            per_slot = llm.kv_estimate(context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v, kv_type)
-        except ConfigurationError as exc:
-            if kv_cache_type is not None:
-                raise
-            row["note"] = str(exc)
-        else:
-            row.update(bytes_per_slot=per_slot, total_bytes=per_slot * slots, total_mib=round(per_slot * slots / 2**20, 3))
-            if facts.sliding_window:
-                row["note"] = f"upper bound: sliding-window layers keep about {facts.sliding_window} cells"
-        rows.append(row)
+            "layers": f.layers, "kv_heads": f.kv_heads, "head_dim_k": f.head_dim_k, "head_dim_v": f.head_dim_v,
+            "bytes_per_slot": budget.kv_bytes(kv_type, context), "total_bytes": total,
+            "total_mib": None if total is None else round(total / 2**20, 3),
+            "current": kv_type == current, "note": note,
+        })
     frame = pd.DataFrame(rows)
     for col in ("bytes_per_slot", "total_bytes"):
         frame[col] = frame[col].astype("Int64")

@@ -6,6 +6,8 @@ PNG where there is a chart) for saved notebooks, GitHub and nbval. This
 package uses :mod:`aner_nb.llm`; the library never imports it.
 
 * :func:`timings_panel` where the time of one or many responses went;
+  :func:`response_panel` one response's text with its timings panel below
+  (what ``%%generate`` ends with);
 * :func:`speculative_panel` prompt-lookup proposals, acceptance, off/on comparison;
 * :func:`kv_budget` KV bytes by formula vs context and KV type, against a memory budget;
 * :func:`batching_monitor` live counters of a batching lease (protocol in
@@ -19,13 +21,15 @@ from .batching import STATS_FIELDS, BatchingMonitor, batching_monitor, latency_f
 from .bench_plot import BenchPlot, bench_frame, bench_plot
 from .kv_budget import DEFAULT_BUDGET_BYTES, KVBudget, KVFacts, kv_budget, kv_facts
 from .speculative import SpeculativePanel, speculative_panel, speculative_stats
-from .timings import TimingsPanel, segments_ns, timings_frame, timings_panel
+from .timings import ResponsePanel, TimingsPanel, response_panel, segments_ns, timings_frame, timings_panel
 
 __all__ = [
     "timings_panel",
     "timings_frame",
     "segments_ns",
     "TimingsPanel",
+    "response_panel",
+    "ResponsePanel",
     "speculative_panel",
     "speculative_stats",
     "SpeculativePanel",

@@ -162,11 +162,9 @@ class KVBudget(StaticView):
             raise ValueError(f"budget_bytes must be a positive number, got {budget!r}")
         if kv_type not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_type!r}")
-        if self.kv_bytes(kv_type, context) is None:
-            raise ValueError(
-                f"{kv_type} needs head dims that are multiples of 32; this model has K {self.facts.head_dim_k}, "
-                f"V {self.facts.head_dim_v}"
-            )
+        reason = self.unusable(kv_type)
+        if reason:
+            raise ValueError(reason)
         self.context, self.slots, self.budget_bytes, self.kv_cache_type = context, slots, int(budget), kv_type
         if self._widget is not None:
             self._refresh_widget()
@@ -176,6 +174,15 @@ class KVBudget(StaticView):
         """Bytes of one K row and one V row (one layer, one KV head, one cell)."""
         t = kv_cache_type or self.kv_cache_type
         return _row(self.facts.head_dim_k, t), _row(self.facts.head_dim_v, t)
+
+    def unusable(self, kv_cache_type: str) -> str | None:
+        """Why ``kv_cache_type`` cannot store this model's head dims; None when it can."""
+        if None not in self.row_bytes(kv_cache_type):
+            return None
+        return (
+            f"{kv_cache_type} needs head dims that are multiples of 32; this model has K {self.facts.head_dim_k}, "
+            f"V {self.facts.head_dim_v}"
+        )
 
     def kv_bytes(self, kv_cache_type: str | None = None, context: int | None = None) -> int | None:
         """``llm.kv_estimate`` for one context; None when the type cannot store these head dims."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..llm.response import Response
-from ._static import MISSING, StaticView, fmt_count, fmt_float, frame_html, html_table, measured
-from .timings import as_responses
+from ._static import MISSING, fmt_count, fmt_float, frame_html, html_table, measured
+from .timings import ResponsesView, as_responses
 
 __all__ = ["speculative_stats", "SpeculativePanel", "speculative_panel"]
 
@@ -64,7 +64,7 @@ def _default_label(i: int, r: Response) -> str:
     return f"#{i} speculative_tokens={n}" if measured(n) else f"#{i}"
 
 
-class SpeculativePanel(StaticView):
+class SpeculativePanel(ResponsesView):
     """Speculation counters for one or many responses; a comparison for a pair."""
 
     def __init__(self, responses: Any, labels: Sequence[str] | None = None, *, compare: bool | None = None) -> None:
@@ -75,14 +75,6 @@ class SpeculativePanel(StaticView):
         self.compare = len(pairs) == 2 if compare is None else bool(compare)
         if self.compare and len(pairs) != 2:
             raise ValueError(f"a comparison needs exactly two responses (off, on), got {len(pairs)}")
-
-    @property
-    def responses(self) -> list[Response]:
-        return [r for _, r in self._pairs]
-
-    @property
-    def labels(self) -> list[str]:
-        return [lab for lab, _ in self._pairs]
 
     @property
     def outputs_identical(self) -> bool | None:

@@ -6,27 +6,62 @@ part of ``first_token_duration`` after prefill: sampling the first token),
 decode, and "other" (what ``total_duration`` leaves: template rendering,
 tokenization, bookkeeping). A phase that was not measured (``-1``) is shown
 as missing, never as 0.
+
+Labels and the table's columns come from the metadata of the
+:class:`~aner_nb.llm.Timings` fields (``label``, ``unit``, ``part``), so a new
+field shows up here without a hand-written column list.
 """
 
 from __future__ import annotations
 
 import html
+from dataclasses import Field
 from typing import Any, Mapping, Sequence
 
 from ..llm.response import Response
-from ._static import StaticView, figure_png, fmt_ms, frame_html, measured, new_figure
+from ..llm.timings import timing_fields
+from ._static import StaticView, figure_png, fmt_count, fmt_ms, frame_html, measured, new_figure
 
-__all__ = ["SEGMENTS", "TimingsPanel", "timings_panel", "timings_frame", "segments_ns", "as_responses"]
+__all__ = [
+    "SEGMENTS",
+    "SUMMARY_PARTS",
+    "TimingsPanel",
+    "ResponsePanel",
+    "ResponsesView",
+    "timings_panel",
+    "response_panel",
+    "timings_frame",
+    "segments_ns",
+    "summary_fields",
+    "timings_line",
+    "as_responses",
+]
 
-# (label, colour) of the stacked phases, in time order.
-SEGMENTS: tuple[tuple[str, str], ...] = (
-    ("queue", "#9e9e9e"),
-    ("context clear", "#8d6e63"),
-    ("prefill", "#1f77b4"),
-    ("first token", "#ff7f0e"),
-    ("decode", "#2ca02c"),
-    ("other", "#d0d0d0"),
+_LABELS = {f.name: f.metadata["label"] for f in timing_fields()}
+
+# The disjoint phases of total_duration in time order (field, colour); "other" is what the total leaves.
+# first_token_duration runs from the start of work, so its phase is the part after prefill.
+_PHASES: tuple[tuple[str, str], ...] = (
+    ("queue_duration", "#9e9e9e"),
+    ("context_clear_duration", "#8d6e63"),
+    ("prompt_eval_duration", "#1f77b4"),
+    ("first_token_duration", "#ff7f0e"),
+    ("decode_duration", "#2ca02c"),
 )
+# (label, colour) of the stacked phases, in time order.
+SEGMENTS: tuple[tuple[str, str], ...] = (*((_LABELS[n], c) for n, c in _PHASES), ("other", "#d0d0d0"))
+
+# The parts of Timings that say where the time went (the summary table and the terminal line):
+# waiting for a sequence, getting a context, and the run itself. Flags and settings are in to_frame().
+SUMMARY_PARTS = ("queue", "pool", "run")
+
+
+def summary_fields() -> tuple[list[Field], list[Field]]:
+    """The Timings fields the summary shows, chosen by their metadata: ``(token counts, durations)``,
+    each in field order."""
+    fields = [f for f in timing_fields() if f.metadata["part"] in SUMMARY_PARTS]
+    counts = [f for f in fields if f.metadata["unit"] in ("tokens", "count")]
+    return counts, [f for f in fields if f.metadata["unit"] == "ns"]
 
 
 def as_responses(items: Any, labels: Sequence[str] | None = None) -> list[tuple[str, Response]]:
@@ -63,18 +98,11 @@ def segments_ns(response: Response) -> dict[str, int | None]:
     def get(v: int) -> int | None:
         return v if measured(v) else None
 
-    prefill = get(t.prompt_eval_duration)
-    first = get(t.first_token_duration)
+    values = {name: get(getattr(t, name)) for name, _ in _PHASES}
+    prefill, first = values["prompt_eval_duration"], values["first_token_duration"]
     if first is not None and prefill is not None:
-        # first_token_duration runs from the start of work and includes prefill.
-        first = first - prefill if first >= prefill else None
-    seg: dict[str, int | None] = {
-        "queue": get(t.queue_duration),
-        "context clear": get(t.context_clear_duration),
-        "prefill": prefill,
-        "first token": first,
-        "decode": get(t.decode_duration),
-    }
+        values["first_token_duration"] = first - prefill if first >= prefill else None
+    seg: dict[str, int | None] = {_LABELS[name]: value for name, value in values.items()}
     total = get(t.total_duration)
     other = None
     if total is not None:
@@ -94,11 +122,10 @@ def timings_frame(responses: Any, labels: Sequence[str] | None = None) -> Any:
     return frame
 
 
-class TimingsPanel(StaticView):
-    """Stacked time bars and token counts for one or many responses. See :func:`timings_panel`."""
+class ResponsesView(StaticView):
+    """A view of labelled responses: ``_pairs`` holds ``(label, Response)`` (see :func:`as_responses`)."""
 
-    def __init__(self, responses: Any, labels: Sequence[str] | None = None) -> None:
-        self._pairs = as_responses(responses, labels)
+    _pairs: list[tuple[str, Response]]
 
     @property
     def responses(self) -> list[Response]:
@@ -107,6 +134,13 @@ class TimingsPanel(StaticView):
     @property
     def labels(self) -> list[str]:
         return [lab for lab, _ in self._pairs]
+
+
+class TimingsPanel(ResponsesView):
+    """Stacked time bars and token counts for one or many responses. See :func:`timings_panel`."""
+
+    def __init__(self, responses: Any, labels: Sequence[str] | None = None) -> None:
+        self._pairs = as_responses(responses, labels)
 
     def to_frame(self) -> Any:
         """Every usage and timings field, one row per response, unmeasured as NA."""
@@ -124,29 +158,16 @@ class TimingsPanel(StaticView):
         """The numbers the panel shows: token counts, phase milliseconds, tokens per second."""
         import pandas as pd
 
-        rows = []
-        for _, r in self._pairs:
-            t = r.timings
-            tps = r.tokens_per_second()
-            rows.append(
-                {
-                    "prompt tokens": t.prompt_tokens,
-                    "cached input tokens": t.cached_input_tokens,
-                    "evaluated prompt tokens": t.evaluated_prompt_tokens,
-                    "generated tokens": t.generated_tokens,
-                    "decode calls": t.decode_calls,
-                    "queue ms": t.queue_duration,
-                    "context clear ms": t.context_clear_duration,
-                    "prefill ms": t.prompt_eval_duration,
-                    "first token ms": t.first_token_duration,
-                    "decode ms": t.decode_duration,
-                    "total ms": t.total_duration,
-                    "tokens/s": tps,
-                }
-            )
+        count_fields, time_fields = summary_fields()
+        columns = {f.name: f.metadata["label"] for f in count_fields}
+        columns.update({f.name: f"{f.metadata['label']} ms" for f in time_fields})
+        rows = [
+            {**{label: getattr(r.timings, name) for name, label in columns.items()}, "tokens/s": r.tokens_per_second()}
+            for _, r in self._pairs
+        ]
         frame = pd.DataFrame(rows, index=pd.Index(self.labels, name="response"))
-        counts = [c for c in frame.columns if not c.endswith(" ms") and c != "tokens/s"]
-        times = [c for c in frame.columns if c.endswith(" ms")]
+        counts = [columns[f.name] for f in count_fields]
+        times = [columns[f.name] for f in time_fields]
         frame[counts] = frame[counts].astype("Int64").mask(frame[counts] < 0)
         frame[times] = (frame[times].astype("Float64") / 1e6).mask(frame[times] < 0)
         frame["tokens/s"] = frame["tokens/s"].astype("Float64").mask(frame["tokens/s"] < 0)
@@ -240,3 +261,58 @@ def timings_panel(responses: Any, *, labels: Sequence[str] | None = None) -> Tim
     """
     return TimingsPanel(responses, labels)
 
+
+def timings_line(response: Response) -> str:
+    """One plain-text line for terminals: finish reason, completion tokens, then the summary's
+    measured counts and durations (the fields :meth:`TimingsPanel.summary_frame` shows) and tokens/s."""
+    t = response.timings
+
+    def shown(fields: list[Field], fmt: Any) -> str:
+        values = [(f.metadata["label"], getattr(t, f.name)) for f in fields]
+        return ", ".join(f"{label} {fmt(value)}" for label, value in values if measured(value))
+
+    count_fields, time_fields = summary_fields()
+    parts = [shown(count_fields, fmt_count), shown(time_fields, lambda ns: fmt_ms(ns, 1))]
+    tps = response.tokens_per_second()
+    if tps >= 0:
+        parts.append(f"{tps:.1f} tok/s")
+    return f"[{response.finish_reason}] {response.usage.completion_tokens} tokens; " + "; ".join(p for p in parts if p)
+
+
+class ResponsePanel(StaticView):
+    """A response's text with its timings panel below it: how ``%%generate`` and ``%%chat`` end.
+
+    Displays as an ipywidgets box (the text, then :class:`TimingsPanel`'s widget);
+    the static fallback is the same as HTML, and ``text/plain`` is the text with
+    :func:`timings_line`.
+    """
+
+    def __init__(self, response: Any) -> None:
+        ((_, self.response),) = as_responses([response])
+        self.timings = TimingsPanel(self.response)
+
+    def to_frame(self) -> Any:
+        """Every usage and timings field of the response (``TimingsPanel.to_frame``)."""
+        return self.timings.to_frame()
+
+    def _text_html(self) -> str:
+        return f"<pre style='white-space:pre-wrap'>{html.escape(self.response.text)}</pre>"
+
+    def _repr_html_(self) -> str:
+        return f"<div class='aner-response'>{self._text_html()}{self.timings._repr_html_()}</div>"
+
+    def _build_widget(self) -> Any:
+        import ipywidgets as w
+
+        return w.VBox([w.HTML(self._text_html()), self.timings.widget], layout=w.Layout(width="100%"))
+
+    def __repr__(self) -> str:
+        return f"{self.response.text}\n{timings_line(self.response)}"
+
+
+def response_panel(response: Any) -> ResponsePanel:
+    """A Response (or a finished Stream) as its text followed by its timings panel.
+
+    ``display(response_panel(r))`` shows what a ``%%generate`` cell ends with.
+    """
+    return ResponsePanel(response)
