@@ -86,7 +86,7 @@ class Timings:
     batch_max_sequences: int = _f("max sequences", "setting", "batch")
     batch_peak_sequences: int = _f("peak sequences", "count", "batch")
     scheduler_steps: int = _f("scheduler steps", "count", "batch")
-    batch_decoded_tokens: int = _f("batch rows evaluated", "tokens", "batch")
+    batch_decoded_tokens: int = _f("batch decoded tokens", "tokens", "batch")  # rows of its steps, all sequences'
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

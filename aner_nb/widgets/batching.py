@@ -106,29 +106,31 @@ def read_stats(snapshot: Any) -> dict[str, Any]:
     return out
 
 
+def _latency_fields() -> list[Any]:
+    """The Timings fields of the latency table, by their metadata: the run's token counts and
+    durations from the call (the queue included), then what sharing the batch looked like."""
+    from ..llm import timing_fields
+
+    wanted = ("prompt_tokens", "generated_tokens", "queue_duration", "first_token_duration", "decode_duration",
+              "total_duration")
+    return [f for f in timing_fields() if f.name in wanted] + list(timing_fields(part="batch"))
+
+
+def _column(f: Any) -> str:
+    return f.metadata["label"] + (" ms" if f.metadata["unit"] == "ns" else "")
+
+
 def latency_frame(responses: Any, labels: Sequence[str] | None = None) -> Any:
     """Per-request latencies of a batch (one row per response); unmeasured values are NA."""
     import pandas as pd
 
     pairs = as_responses(responses, labels)
+    fields = _latency_fields()
     rows = []
     for _, r in pairs:
-        t = r.timings
-        rows.append(
-            {
-                "prompt tokens": t.prompt_tokens,
-                "generated tokens": t.generated_tokens,
-                "queue ms": t.queue_duration,
-                "first token ms": t.first_token_duration,
-                "decode ms": t.decode_duration,
-                "total ms": t.total_duration,
-                "tokens/s": r.tokens_per_second(),
-                "peak sequences": t.batch_peak_sequences,
-                "max sequences": t.batch_max_sequences,
-                "scheduler steps": t.scheduler_steps,
-                "batch decoded tokens": t.batch_decoded_tokens,
-            }
-        )
+        row = {_column(f): getattr(r.timings, f.name) for f in fields}
+        row["tokens/s"] = r.tokens_per_second()
+        rows.append(row)
     frame = pd.DataFrame(rows, index=pd.Index([lab for lab, _ in pairs], name="request"))
     times = [c for c in frame.columns if c.endswith(" ms")]
     counts = [c for c in frame.columns if c not in times and c != "tokens/s"]
