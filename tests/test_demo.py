@@ -57,3 +57,45 @@ def test_cli_entry_point_runs(demo_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "timings" in proc.stdout and "memory" in proc.stdout
+
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "weather": {"enum": ["sunny", "rainy", "cloudy"]},
+        "days": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"day": {"enum": ["mon", "tue", "wed"]}, "warm": {"type": "boolean"}},
+                "required": ["day", "warm"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 2,
+        },
+    },
+    "required": ["city", "weather", "days"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_on_the_demo_model_always_validates(demo_path):
+    """20 seeded requests on an ordinary lease and 4 concurrent ones on a batching lease: all parse and validate."""
+    import json
+
+    import jsonschema
+
+    prompt = "A weather report as JSON:\n"
+    with llm.load(demo_path, context=1024, chat_template=DEMO_CHAT_TEMPLATE) as model:
+        for seed in range(20):
+            r = model.complete(prompt, max_tokens=160, json_schema=DEMO_SCHEMA, temperature=0.8, seed=seed)
+            assert r.finish_reason == "stop", r.text
+            jsonschema.validate(json.loads(r.text), DEMO_SCHEMA)
+        with model.with_batching(4) as serving:
+            prompts = [f"Report {i} for a city you like, as JSON." for i in range(4)]
+            many = serving.generate_many(prompts, max_tokens=160, json_schema=DEMO_SCHEMA, temperature=0.8, seed=3)
+        for r in many:
+            assert r.finish_reason == "stop", r.text
+            jsonschema.validate(json.loads(r.text), DEMO_SCHEMA)

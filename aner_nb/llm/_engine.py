@@ -34,6 +34,10 @@ __all__ = [
     "NativeAdapter",
     "Batch",
     "Sampler",
+    "SamplerChain",
+    "GrammarError",
+    "check_grammar",
+    "json_schema_grammar",
     "DECODE_OK",
     "DECODE_NO_KV_SLOT",
 ]
@@ -542,21 +546,102 @@ class Batch(_Owner):
         return i + n - 1
 
 
-class Sampler(_Owner):
-    """A seeded temperature sampler chain (temperature then a distribution draw).
+@dataclass(frozen=True)
+class SamplerChain:
+    """What one request's llama.cpp sampler chain applies, in llama.cpp's own order.
 
-    Greedy decoding does not use a sampler: ``NativeContext.greedy`` takes the
-    argmax of the logits row directly, which is what llama.cpp's greedy sampler does.
+    ``grammar`` (GBNF, root rule ``root``) comes first so every later stage
+    sees only tokens the grammar allows; then the penalties over the last
+    ``penalty_last_n`` tokens (the prompt's tail included, as llama.cpp's
+    server does); then either greedy (``temperature == 0``: the first maximum)
+    or top-k, top-p, min-p, temperature and a seeded draw.
     """
 
-    def __init__(self, temperature: float, seed: int) -> None:
+    temperature: float
+    seed: int
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    grammar: str | None = None
+    penalty_last_n: int = 0
+    penalty_repeat: float = 1.0
+    penalty_freq: float = 0.0
+    penalty_present: float = 0.0
+
+
+class Sampler(_Owner):
+    """A llama.cpp sampler chain built from a :class:`SamplerChain`.
+
+    Plain greedy decoding does not use a sampler: ``NativeContext.greedy``
+    takes the argmax of the logits row directly, which is what llama.cpp's
+    greedy sampler does.
+    """
+
+    def __init__(self, model: "NativeModel", spec: SamplerChain, history: Sequence[int] = ()) -> None:
         lib = _llama()
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(float(temperature)))
-        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(int(seed)))
         self._lib = lib
-        super().__init__(chain, lib.llama_sampler_free, "sampler")
+        super().__init__(chain, lib.llama_sampler_free, "sampler")  # frees every stage added below
+        try:
+            self._build(model, spec, history)
+        except BaseException:
+            self.free()
+            raise
+
+    def _build(self, model: "NativeModel", spec: SamplerChain, history: Sequence[int]) -> None:
+        lib = self._lib
+        if spec.grammar is not None:
+            self._add(_grammar_sampler(lib, model, spec.grammar))
+        if spec.penalty_last_n:
+            penalties = lib.llama_sampler_init_penalties(
+                model.n_vocab, spec.penalty_last_n, spec.penalty_repeat, spec.penalty_freq, spec.penalty_present
+            )
+            self._add(penalties)
+            for token in history[-spec.penalty_last_n:]:
+                lib.llama_sampler_accept(penalties, int(token))  # the prompt's tail counts as seen
+        if spec.temperature == 0.0:
+            self._add(lib.llama_sampler_init_greedy())
+            return
+        if spec.top_k:
+            self._add(lib.llama_sampler_init_top_k(spec.top_k))
+        if spec.top_p < 1.0:
+            self._add(lib.llama_sampler_init_top_p(spec.top_p, 1))
+        if spec.min_p > 0.0:
+            self._add(lib.llama_sampler_init_min_p(spec.min_p, 1))
+        self._add(lib.llama_sampler_init_temp(spec.temperature))
+        self._add(lib.llama_sampler_init_dist(spec.seed))
+
+    def _add(self, stage: Any) -> None:
+        self._lib.llama_sampler_chain_add(self.ptr, stage)  # the chain owns the stage from here
 
     def sample(self, ctx: NativeContext, i: int) -> int:
-        """Sample from output row ``i`` and record the token in the chain's state."""
+        """Sample from output row ``i`` and record the token in every stage's state (grammar, penalties)."""
         return int(self._lib.llama_sampler_sample(self.ptr, ctx.ptr, i))
+
+
+def _grammar_sampler(lib: Any, model: "NativeModel", grammar: str) -> Any:
+    stage = lib.llama_sampler_init_grammar(model.vocab, grammar.encode("utf-8"), b"root")
+    if not stage:  # llama.cpp logs the parse error and returns NULL
+        raise GrammarError("llama.cpp could not parse the grammar (GBNF with a 'root' rule is required)")
+    return stage
+
+
+class GrammarError(ValueError):
+    """A GBNF grammar llama.cpp cannot parse, or a JSON schema its converter cannot express."""
+
+
+def check_grammar(model: "NativeModel", grammar: str) -> None:
+    """Parse ``grammar`` with llama.cpp's grammar sampler once (then free it); GrammarError if it cannot."""
+    lib = _llama()
+    lib.llama_sampler_free(_grammar_sampler(lib, model, grammar))
+
+
+def json_schema_grammar(schema_json: str) -> str:
+    """GBNF for a JSON schema, by llama-cpp-python's converter (the one llama.cpp's server uses, ported)."""
+    _llama()
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415 - the engine package is lazy
+
+    try:
+        return json_schema_to_gbnf(schema_json)
+    except (ValueError, AssertionError, KeyError, TypeError, RecursionError) as exc:
+        raise GrammarError(f"the JSON schema cannot be turned into a grammar: {exc}") from exc

@@ -35,7 +35,7 @@ from .errors import ConfigurationError, ContextOverflowError, InvalidRequestErro
 from .lifetime import Lifetime
 from .profiles import Profile, int_in as _int_in
 from .protocol import Done, Lease, LeaseKind, Pieces
-from .requests import Prepared, as_messages, context_params, new_job, prepare
+from .requests import Prepared, RawText, as_messages, context_params, new_job, prepare
 from .response import Response
 from .runner import Job, validated_response
 from .scheduler import Outbox, Request, Scheduler, SchedulerStats
@@ -169,7 +169,7 @@ class BatchingModel(Lease):
         return "throughput"
 
     def _features(self) -> frozenset[str]:
-        return frozenset({"generate", "chat", "stream", "continuous_batching"})
+        return frozenset({"generate", "chat", "stream", "complete", "continuous_batching"})
 
     # Builders and sessions need a context of their own; a batching lease has one shared context.
     def _no_builder(self, what: str) -> UnsupportedFeatureError:
@@ -198,7 +198,7 @@ class BatchingModel(Lease):
     # scheduler thread with each newly final piece. ``stream`` pieces wait in a small per-request
     # buffer; while it is full the sequence pauses (others continue), and ``cancel()`` or Ctrl-C
     # ends only this sequence.
-    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
         self._lifetime.check_open("a request")
         note = (
             f" (this batching lease splits its context of {self.context} cells between {self.max_sequences} "

@@ -29,7 +29,7 @@ from .lifetime import Lifetime
 from .prefix_pool import PrefixPool, common_prefix_length
 from .profiles import OptimizerSettings, Profile
 from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
-from .requests import Prepared, context_params, prepare
+from .requests import Prepared, RawText, context_params, prepare
 from .runner import Job, run_request
 from .session import Session
 from .summary import MemorySummary, memory_summary
@@ -107,10 +107,10 @@ class LLMModel(Lease):
             "speculative": opt.speculative_tokens > 0,
             "adapter": self._adapter is not None,
         }
-        return frozenset({"generate", "chat", "stream", "session", *(f for f, on in optional.items() if on)})
+        return frozenset({"generate", "chat", "stream", "complete", "session", *(f for f, on in optional.items() if on)})
 
     # -- requests: the protocol's two steps ---------------------------------------
-    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
         self._lifetime.check_open("a request")
         greedy_only = self._profile.optimizer.speculative_tokens > 0
         return prepare(self._weights, messages, options, context=self.context, greedy_only=greedy_only)

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import ConfigurationError, InvalidRequestError, LLMError
 from .memory import KV_CACHE_TYPES
@@ -36,6 +36,8 @@ MAX_CONTEXT = 65536
 MAX_TOKENS = 65536
 MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
+MAX_VOCAB = 1 << 24  # top_k's static bound; the model's own vocabulary size is checked when a request is prepared
+MAX_REPEAT_PENALTY = 10.0
 FLASH_ATTENTION = ("auto", "on", "off")
 CPU_EXTRA_BUFFERS = ("auto", "on", "off")
 
@@ -196,27 +198,83 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def _number_in(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> float:
+    """``value`` as a float if it is a finite number in its range (``(low, high]`` when ``open_low``)."""
+    span = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+    finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not finite or value < low or value > high or (open_low and value == low):
+        raise InvalidRequestError(f"{name} must be a finite number in {span}, got {value!r}", param=name)
+    return float(value)
+
+
 @dataclass(frozen=True)
 class RequestSettings:
-    """Per-request sampling settings, validated on construction."""
+    """Per-request sampling settings, validated on construction.
+
+    Defaults change nothing: ``temperature=0`` is plain greedy (the argmax of
+    the logits), ``top_k=0``, ``top_p=1``, ``min_p=0`` and neutral penalties
+    leave the distribution as the model gives it. ``grammar`` (GBNF) or
+    ``json_schema`` constrain the output; at most one of them.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None
+    json_schema: Any = None
 
     def __post_init__(self) -> None:
         int_in("max_tokens", self.max_tokens, 0, MAX_TOKENS, InvalidRequestError)
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or not 0.0 <= t <= 2.0:
-            raise InvalidRequestError(f"temperature must be a finite number in [0, 2], got {t!r}", param="temperature")
-        object.__setattr__(self, "temperature", float(t))
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
+        set_("temperature", _number_in("temperature", self.temperature, 0.0, 2.0))
         int_in("seed", self.seed, 0, MAX_SEED, InvalidRequestError)
-        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        set_("stop", _stop_strings(self.stop))
+        int_in("top_k", self.top_k, 0, MAX_VOCAB, InvalidRequestError)
+        set_("top_p", _number_in("top_p", self.top_p, 0.0, 1.0))
+        set_("min_p", _number_in("min_p", self.min_p, 0.0, 1.0))
+        set_("repeat_penalty", _number_in("repeat_penalty", self.repeat_penalty, 0.0, MAX_REPEAT_PENALTY, open_low=True))
+        int_in("repeat_last_n", self.repeat_last_n, 0, MAX_CONTEXT, InvalidRequestError)
+        set_("presence_penalty", _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        set_("frequency_penalty", _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise InvalidRequestError(f"grammar must be a non-empty GBNF string or None, got {self.grammar!r}", param="grammar")
+        if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
+            raise InvalidRequestError(
+                f"json_schema must be a JSON schema object (a dict) or None, got {type(self.json_schema).__name__}",
+                param="json_schema",
+            )
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidRequestError("grammar and json_schema cannot be combined; pass one of them", param="grammar")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a repetition, presence or frequency penalty changes the logits."""
+        return (
+            (self.repeat_penalty != 1.0 and self.repeat_last_n > 0)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None or self.json_schema is not None
+
+    @property
+    def plain_argmax(self) -> bool:
+        """Greedy with nothing that changes the logits: the argmax of the raw row, no sampler at all."""
+        return self.greedy and not self.penalized and not self.constrained
 
     @classmethod
     def of(cls, max_tokens: Any = 256, temperature: Any = 0.0, seed: Any = 0, stop: Any = None) -> "RequestSettings":

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Se
 
 from .errors import ConfigurationError, InvalidRequestError
 from .memory import kv_estimate
-from .requests import Prepared, as_messages, new_job, prompt_token_ids
+from .requests import Prepared, RawText, as_messages, as_raw_text, new_job, prompt_token_ids
 from .runner import Job, validate_only
 from .stream import Stream
 from .chat import validate_messages
@@ -43,7 +43,9 @@ __all__ = ["Lease", "LeaseKind", "KINDS", "FEATURES", "Pieces", "Done"]
 
 LeaseKind = Literal["ordinary", "latency", "adapter", "throughput", "session"]
 KINDS: tuple[str, ...] = get_args(LeaseKind)
-FEATURES = ("generate", "chat", "stream", "session", "prefix_cache", "speculative", "continuous_batching", "adapter")
+FEATURES = (
+    "generate", "chat", "stream", "complete", "session", "prefix_cache", "speculative", "continuous_batching", "adapter",
+)
 
 Pieces = Generator[str, None, "Response"]  # verified text pieces; returns the final Response
 Done = Callable[[bool], None]  # the request's end callback; True when it ran to its end
@@ -103,10 +105,20 @@ class Lease(ABC):
 
         Options: ``max_tokens`` (0..65536, default 256; 0 only validates),
         ``temperature`` (0..2, default 0 = greedy), ``seed`` (0..2**32-1),
-        ``stop`` (a string or up to 16). ``on_text`` is called with each
-        newly final piece of text.
+        ``stop`` (a string or up to 16), ``top_k`` (0 = off..vocabulary),
+        ``top_p`` and ``min_p`` (0..1), ``repeat_penalty`` (> 0) over the last
+        ``repeat_last_n`` tokens, ``presence_penalty`` and ``frequency_penalty``
+        (-2..2), and ``grammar`` (GBNF) or ``json_schema`` (a JSON-schema dict)
+        to constrain the output. ``on_text`` is called with each newly final
+        piece of text.
         """
         return self._run(self._prepare(as_messages(prompt, strict_str=True), options), on_text)
+
+    def complete(
+        self, text: str, *, on_text: Callable[[str], None] | None = None, **options: "Unpack[RequestOptions]"
+    ) -> "Response":
+        """Continue ``text`` as given, without the chat template (for base models); options as ``generate``."""
+        return self._run(self._prepare(as_raw_text(text), options), on_text)
 
     def chat(
         self,
@@ -118,13 +130,15 @@ class Lease(ABC):
         """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]`` (options as ``generate``)."""
         return self._run(self._prepare(validate_messages(messages), options), on_text)
 
-    def stream(self, prompt: "str | Sequence[Mapping[str, Any]]", **options: "Unpack[RequestOptions]") -> Stream:
-        """Like ``generate``/``chat`` but yields verified text pieces; see :class:`Stream`."""
-        prepared = self._prepare(as_messages(prompt), options)
+    def stream(
+        self, prompt: "str | Sequence[Mapping[str, Any]]", *, raw: bool = False, **options: "Unpack[RequestOptions]"
+    ) -> Stream:
+        """Like ``generate``/``chat`` (``complete`` with ``raw=True``) but yields verified text pieces."""
+        prepared = self._prepare(as_raw_text(prompt) if raw else as_messages(prompt), options)
         return Stream(*self._start(prepared, None, streaming=True))
 
     @abstractmethod
-    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
         """Check and tokenize one request against this lease's rules and context."""
 
     @abstractmethod
@@ -218,9 +232,9 @@ class Lease(ABC):
         """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
         return self._weights.template.origin
 
-    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]") -> list[int]:
-        """The exact token ids a request with this prompt (or message list) evaluates."""
-        return prompt_token_ids(self._weights, as_messages(prompt))
+    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]", *, raw: bool = False) -> list[int]:
+        """The exact token ids a request with this prompt (message list, or raw text) evaluates."""
+        return prompt_token_ids(self._weights, as_raw_text(prompt) if raw else as_messages(prompt))
 
     def load_summary(self) -> "LoadSummary":
         return self._weights.summary

@@ -26,6 +26,7 @@ from .chat import validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
 from .profiles import Profile, RequestSettings
 from .runner import Job
+from .sampling import request_grammar
 from .timings import ProfileTimings
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ __all__ = [
     "RequestOptions",
     "REQUEST_OPTIONS",
     "Prepared",
+    "RawText",
     "as_messages",
+    "as_raw_text",
     "request_settings",
     "prompt_token_ids",
     "prepare",
@@ -47,6 +50,8 @@ __all__ = [
 ]
 
 REQUEST_OPTIONS = tuple(f.name for f in dataclasses.fields(RequestSettings))
+# Options that change which token is chosen (a speculative lease accepts none of them).
+SAMPLING_OPTIONS = tuple(name for name in REQUEST_OPTIONS if name not in ("max_tokens", "seed", "stop"))
 
 
 class RequestOptions(TypedDict, total=False):
@@ -56,6 +61,25 @@ class RequestOptions(TypedDict, total=False):
     temperature: float
     seed: int
     stop: "str | Sequence[str] | None"
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    grammar: "str | None"
+    json_schema: "Mapping[str, Any] | None"
+
+
+@dataclass(frozen=True)
+class RawText:
+    """A prompt evaluated as given: no chat template (``complete()``, for base models)."""
+
+    text: str
+
+
+Prompt = "tuple[dict[str, str], ...] | RawText"
 
 
 @dataclass(frozen=True)
@@ -63,9 +87,10 @@ class Prepared:
     """A validated request: its settings, its messages and the exact prompt tokens to evaluate."""
 
     request: RequestSettings
-    messages: tuple[dict[str, str], ...]
+    messages: "tuple[dict[str, str], ...] | RawText"
     tokens: tuple[int, ...]
     t_call: int  # perf_counter_ns when the caller entered the request method
+    grammar: str | None = None  # the GBNF the output must match, from grammar= or json_schema=
 
 
 def as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict[str, str], ...]:
@@ -90,19 +115,28 @@ def request_settings(options: Mapping[str, Any]) -> RequestSettings:
     return RequestSettings(**options)
 
 
-def prompt_token_ids(weights: "SharedWeights", messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Render the chat template and tokenize; special-token text (e.g. ``<bos>``) is parsed.
+def as_raw_text(text: Any) -> RawText:
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"a completion prompt must be a string, got {type(text).__name__}", param="prompt")
+    return RawText(text)
 
-    The template writes BOS itself when the model family wants one, so no
-    special tokens are added on top.
+
+def prompt_token_ids(weights: "SharedWeights", prompt: "Sequence[Mapping[str, Any]] | RawText") -> list[int]:
+    """The tokens a prompt evaluates; special-token text (e.g. ``<bos>``) is parsed.
+
+    Messages are rendered with the chat template, which writes BOS itself
+    when the model family wants one, so no special tokens are added on top.
+    Raw text gets the model's own BOS/EOS rule, as llama.cpp's ``/completion``.
     """
-    text = weights.template.render(messages, add_generation_prompt=True)
+    if isinstance(prompt, RawText):
+        return weights.native.tokenize(prompt.text, add_special=True, parse_special=True)
+    text = weights.template.render(prompt, add_generation_prompt=True)
     return weights.native.tokenize(text, add_special=False, parse_special=True)
 
 
 def prepare(
     weights: "SharedWeights",
-    messages: tuple[dict[str, str], ...],
+    messages: "tuple[dict[str, str], ...] | RawText",
     options: Mapping[str, Any],
     *,
     context: int,
@@ -112,18 +146,20 @@ def prepare(
 ) -> Prepared:
     """Check the options, format and tokenize the messages, and check that prompt plus output fit ``context``.
 
-    ``greedy_only`` refuses sampling (a speculative lease verifies greedy
-    choices); ``context_note`` explains a lease-specific context limit in the
-    overflow message.
+    ``greedy_only`` refuses anything but plain greedy decoding (a speculative
+    lease verifies proposals against the argmax of the raw logits);
+    ``context_note`` explains a lease-specific context limit in the overflow
+    message.
     """
     t_call = time.perf_counter_ns() if t_call is None else t_call
     request = request_settings(options)
-    if greedy_only and not request.greedy:
+    if request.top_k > weights.native.n_vocab:
         raise InvalidRequestError(
-            f"temperature={request.temperature} is not allowed on a speculative lease: prompt-lookup "
-            "verification is greedy; use temperature=0, or a lease without speculative_tokens",
-            param="temperature",
+            f"top_k must be in 0..{weights.native.n_vocab} (the vocabulary size), got {request.top_k}", param="top_k"
         )
+    if greedy_only:
+        _check_plain_greedy(request)
+    grammar = request_grammar(weights.native, request)
     tokens = prompt_token_ids(weights, messages)
     if not tokens:
         raise ContextOverflowError(
@@ -138,12 +174,28 @@ def prepare(
             f"(nothing is truncated){context_note}",
             param="max_tokens" if room > 0 else "messages",
         )
-    return Prepared(request, messages, tuple(tokens), t_call)
+    return Prepared(request, messages, tuple(tokens), t_call, grammar)
+
+
+def _check_plain_greedy(request: RequestSettings) -> None:
+    defaults = RequestSettings()
+    changed = [name for name in SAMPLING_OPTIONS if getattr(request, name) != getattr(defaults, name)]
+    if changed:
+        name = changed[0]
+        raise InvalidRequestError(
+            f"{name}={getattr(request, name)!r} is not allowed on a speculative lease: prompt-lookup verification "
+            "compares proposals with plain greedy choices; leave sampling options at their defaults, or use a "
+            "lease without speculative_tokens",
+            param=name,
+        )
 
 
 def new_job(prepared: Prepared, params: ContextParams, profile: Profile, model_name: str) -> Job:
     """The job of a prepared request, carrying the profile's timings part."""
-    job = Job(prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=model_name)
+    job = Job(
+        prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=model_name,
+        grammar=prepared.grammar,
+    )
     job.add(profile_timings(params, profile))
     return job
 

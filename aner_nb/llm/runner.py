@@ -18,12 +18,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Generator, Sequence
 
-from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampler
+from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import Response, Usage
 from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
 from .lookup import DraftPolicy, NgramIndex
+from .sampling import new_sampler
 from .text import TextAssembler
 
 __all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only", "validated_response"]
@@ -42,6 +43,7 @@ class Job:
     n_cached: int = 0  # prompt tokens already in the KV of ``seq`` at positions 0..n_cached-1
     model_name: str = ""
     cancel: threading.Event = field(default_factory=threading.Event)
+    grammar: str | None = None  # GBNF the output must match (from the request's grammar or json_schema)
     parts: list[TimingsPart] = field(default_factory=list)  # timings measured before and around the run
     result: Response | None = None
 
@@ -201,9 +203,9 @@ def run_request(
     request, prompt, seq = job.request, job.prompt_tokens, job.seq
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
-    if speculative_tokens and not request.greedy:
-        raise ValueError("prompt-lookup speculation verifies greedy choices only")
-    sampler = None if request.greedy else Sampler(request.temperature, request.seed)
+    if speculative_tokens and not request.plain_argmax:
+        raise ValueError("prompt-lookup speculation verifies plain greedy choices only")
+    sampler = new_sampler(model, request, job.grammar, prompt)
     out = SequenceOutput(model, job)
     index = NgramIndex(prompt) if speculative_tokens else None
     policy = DraftPolicy(speculative_tokens) if speculative_tokens else None

@@ -64,6 +64,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampl
 from .errors import BusyError, ClosedError, EngineError
 from .response import Response
 from .runner import Job, SequenceOutput
+from .sampling import new_sampler
 from .timings import BatchTimings, QueueTimings
 
 __all__ = [
@@ -730,8 +731,7 @@ class Scheduler:
         job.seq = r.seq
         r.out = SequenceOutput(self.model, job)  # its clock is the start of work
         job.add(QueueTimings(queue_duration=r.out.t_work - r.t_submit))
-        if not job.request.greedy:
-            r.sampler = Sampler(job.request.temperature, job.request.seed)
+        r.sampler = new_sampler(self.model, job.request, job.grammar, job.prompt_tokens)
 
     def _compact(self) -> None:
         """Close gaps between active sequence ids (see :func:`compaction_moves`)."""

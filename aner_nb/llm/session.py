@@ -21,7 +21,7 @@ from .lifetime import Lifetime
 from .prefix_pool import reusable_prefix
 from .profiles import Profile
 from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
-from .requests import Prepared, context_params, prepare
+from .requests import Prepared, RawText, context_params, prepare
 from .response import Response
 from .runner import Job, run_request
 from .stream import Stream
@@ -109,8 +109,10 @@ class Session(Lease):
         raise UnsupportedFeatureError("a session keeps its own conversation: use send(text), not chat(messages)")
 
     # -- requests: the protocol's two steps ---------------------------------------
-    def _prepare(self, messages: tuple[dict[str, str], ...], options: Mapping[str, Any]) -> Prepared:
+    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
         self._lifetime.check_open("a turn")
+        if isinstance(messages, RawText):
+            raise UnsupportedFeatureError("a session is a conversation: raw completion (complete) is not available")
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise InvalidRequestError("a session turn is one user message: pass a str", param="prompt")
         return prepare(self._weights, (*self._history, *messages), options, context=self._params.n_ctx)
