@@ -910,3 +910,23 @@ def test_demo_a_user_writes(ip, demo_path):
     assert response.timings.speculative_tokens == 6
     kv = ip.run_line_magic("llm", "kv base")
     assert kv.set_index("kv_cache_type").loc["f16", "total_bytes"] > 0
+
+
+def test_generate_raw_and_sampling_flags_reach_the_library(ip, llama_path):
+    """%%generate --raw continues the text without the template; sampling flags are the library's options."""
+    load(ip, llama_path)
+    model = ip.user_ns["base"]
+    ip.run_cell_magic("generate", "base --raw --quiet --max-tokens 6 --as r1", "the cat")
+    assert ip.user_ns["r1"].tokens == model.complete("the cat", max_tokens=6).tokens
+    ip.run_cell_magic("generate", "base --quiet --max-tokens 6 --temperature 1 --top-k 1 --seed 4 --as r2", "the cat")
+    assert ip.user_ns["r2"].tokens == model.generate("the cat", max_tokens=6).tokens  # top_k=1 is greedy
+    ip.user_ns["yes_no"] = 'root ::= "yes" | "no"'
+    ip.run_cell_magic("generate", "base --quiet --max-tokens 4 --grammar yes_no --as r3", "answer")
+    assert ip.user_ns["r3"].text in ("yes", "no")
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    ip.run_cell_magic("generate", f"base --quiet --max-tokens 30 --json-schema '{schema}' --as r4", "json")
+    assert ip.user_ns["r4"].text.replace(" ", "") in ('{"ok":true}', '{"ok":false}')
+    with pytest.raises(UsageError, match="top_p must be"):
+        ip.run_cell_magic("generate", "base --quiet --top-p 3", "x")
+    with pytest.raises(UsageError, match="--grammar"):
+        ip.run_cell_magic("generate", "base --quiet --grammar missing_var", "x")

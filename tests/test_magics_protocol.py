@@ -145,3 +145,4 @@ def test_unload_finds_the_magics_in_the_registry_by_identity():
             shell.run_line_magic("load_ext", "aner_nb")
         if settings is not None:
             shell.config["LLMMagics"] = settings
+

@@ -13,6 +13,7 @@ and takes it out again symmetrically.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import sys
@@ -77,6 +78,18 @@ def _derives(sub: str, method: str, option: str, *, description: str) -> Any:
     return handler
 
 
+# (flag, type, metavar, help) of the sampling options; each maps to the library option of the same name.
+_SAMPLING_FLAGS = (
+    ("--top-k", int_arg, "K", "keep the K most likely tokens (0: off)"),
+    ("--top-p", float, "P", "nucleus sampling, 0..1 (1: off)"),
+    ("--min-p", float, "P", "drop tokens below P x the top probability, 0..1 (0: off)"),
+    ("--repeat-penalty", float, "X", "> 0; 1 is off"),
+    ("--repeat-last-n", int_arg, "N", "tokens the penalties look back over (default 64)"),
+    ("--presence-penalty", float, "X", "-2..2 (0: off)"),
+    ("--frequency-penalty", float, "X", "-2..2 (0: off)"),
+)
+
+
 def _request_options(p: Any) -> None:
     """The options every request cell shares (%%generate, %%chat)."""
     p.add_argument("--max-tokens", type=int_arg, metavar="N",
@@ -84,6 +97,11 @@ def _request_options(p: Any) -> None:
     p.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 (greedy, default) .. 2")
     p.add_argument("--seed", type=int_arg, metavar="S", default=0)
     p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    for flag, kind, meta, what in _SAMPLING_FLAGS:
+        p.add_argument(flag, type=kind, metavar=meta, help=what)
+    p.add_argument("--grammar", metavar="VAR", help="a variable holding a GBNF grammar the answer must match")
+    p.add_argument("--json-schema", metavar="VAR|JSON",
+                   help="a JSON schema (inline JSON, or a variable holding a dict) the answer must validate against")
     p.add_argument("--as", dest="var", metavar="VAR", help="also store the Response in this variable")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--stream", dest="display", action="store_const", const="stream",
@@ -433,15 +451,18 @@ class LLMMagics(Magics):
     @cell_magic
     @cell_grammar(
         "generate",
-        usage="%%generate NAME [--max-tokens N] [--temperature T] [--seed S] [--stop STR] [--as VAR] "
+        usage="%%generate NAME [--raw] [--max-tokens N] [--temperature T] [--seed S] [--stop STR] [--top-k K] "
+        "[--top-p P] [--min-p P] [--repeat-penalty X] [--json-schema VAR|JSON] [--grammar VAR] ... [--as VAR] "
         "[--stream | --no-stream | --quiet]",
         description="The cell body is the prompt ({var} is replaced by the variable's value; unknown names stay as "
         "written, {{var}} is a literal {var}). The answer streams into one display that ends with the "
         "timings panel; the Response goes to VAR and to _. Ctrl-C cancels; the handle stays usable.",
-        python="s = NAME.stream(prompt, max_tokens=N, temperature=T, seed=S, stop=[STR]); "
+        python="s = NAME.stream(prompt, raw=False, max_tokens=N, temperature=T, seed=S, stop=[STR], top_k=K, ...); "
         "for piece in s: print(piece, end=''); VAR = s.response   # or VAR = NAME.generate(prompt, ...)",
     )
     @argument("target", metavar="NAME", help="the handle to ask")
+    @argument("--raw", action="store_true",
+              help="continue the cell text as written, without the chat template (base models)")
     @arguments(_request_options)
     def generate(self, line: str, cell: str) -> None:
         try:
@@ -454,7 +475,7 @@ class LLMMagics(Magics):
         if args.var is not None:
             check_name(args.var, "%%generate", "--as")
         prompt = self._prompt(cell, "%%generate")
-        self._answer("%%generate", lambda **kw: handle.stream(prompt, **kw), args)
+        self._answer("%%generate", lambda **kw: handle.stream(prompt, raw=args.raw, **kw), args)
 
     @cell_magic
     @cell_grammar(
@@ -518,11 +539,35 @@ class LLMMagics(Magics):
         module = sys.modules.get("IPython.terminal.interactiveshell")
         return module is not None and isinstance(self.shell, module.TerminalInteractiveShell)
 
+    def _constraints(self, prog: str, args: Any) -> dict[str, Any]:
+        """``grammar`` / ``json_schema`` options from their flags (a variable, or inline JSON for a schema)."""
+        out: dict[str, Any] = {}
+        if args.grammar is not None:
+            grammar = self.ns.get(args.grammar)
+            if not isinstance(grammar, str):
+                raise UsageError(f"{prog}: --grammar {args.grammar!r} must name a variable holding GBNF text")
+            out["grammar"] = grammar
+        if args.json_schema is not None:
+            text = args.json_schema
+            schema = self.ns.get(text) if text.isidentifier() else _json_or_none(text)
+            if not isinstance(schema, dict):
+                raise UsageError(
+                    f"{prog}: --json-schema takes inline JSON or a variable holding a dict, got {text!r}"
+                )
+            out["json_schema"] = schema
+        return out
+
     def _answer(self, prog: str, start: Callable[..., Any], args: Any) -> None:
         """Stream one request into its view; Ctrl-C cancels it; the Response goes to --as VAR and _."""
         max_tokens = self.max_tokens if args.max_tokens is None else args.max_tokens
+        options = {"max_tokens": max_tokens, "temperature": args.temperature, "seed": args.seed, "stop": args.stop}
+        options.update(self._constraints(prog, args))
+        for flag, *_ in _SAMPLING_FLAGS:
+            name = flag[2:].replace("-", "_")
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
         with library_errors(prog):
-            stream = start(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed, stop=args.stop)
+            stream = start(**options)
         view = make_view(args.display or self.display, interval=self.stream_interval, terminal=self._terminal())
         cancelled = False
         try:
@@ -650,3 +695,10 @@ class Extension:
             completer.custom_matchers.remove(self.matcher)
         atexit.unregister(self.at_exit)
         return self.handles.close_all()
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
