@@ -10,6 +10,8 @@ server = (
     .bind(host="127.0.0.1", port=11435)
     .limits(max_rows=64, timeout_ms=120000)
     .output_limit(max_tokens=256)
+    .sse(keepalive_s=15)          # ': keep-alive' comments while a stream has no text yet
+    .cors(origins=["https://notebook.example"])   # browser origins; none by default
     .start()                      # or .serve() to block, or .asgi() for any ASGI server
 )
 server.url                        # 'http://127.0.0.1:11435'
@@ -24,7 +26,9 @@ cap, ``max_rows`` messages per request, a request timeout that cancels the
 generation and frees its slot, and a bound on requests admitted at once
 (running plus queued, one worker thread each); over it the answer is
 ``503`` with ``Retry-After``. See ``docs/deploy.md`` for replicas behind
-nginx. Everything here is process local: queues, pools and counters.
+nginx and ``docs/openai.md`` for what the OpenAI routes do with each
+request field. Everything here is process local: queues, pools and
+counters (``/metrics`` has a registry per application).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import math
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from ..llm import Lease
 from ..llm.errors import ConfigurationError
@@ -47,6 +53,9 @@ __all__ = ["app", "App", "Server"]
 log = logging.getLogger("aner_nb.api")
 
 DEFAULT_PORT = 11435
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+MAX_KEEPALIVE_S = 3600.0
+_ORIGIN = re.compile(r"^https?://[^/\s?#]+$")  # scheme://host[:port], nothing after it
 
 
 def _is_loopback(host: str) -> bool:
@@ -73,6 +82,10 @@ class App:
     retry_after_s: int = 1
     max_tokens: int = 256
     bearer_token: str | None = field(default=None, repr=False)
+    sse_keepalive_s: float = 15.0
+    cors_origins: tuple[str, ...] = ()
+    log_level: str = "warning"
+    access_log: bool = False
 
     # -- builders ---------------------------------------------------------------------------
     def llm(self, path: str = "/chat", *, model: Any, name: str | None = None) -> "App":
@@ -140,6 +153,39 @@ class App:
             raise ConfigurationError("bearer_token must be at least 8 printable ASCII characters without spaces")
         return dataclasses.replace(self, bearer_token=bearer_token)
 
+    def sse(self, *, keepalive_s: float = 15.0) -> "App":
+        """Send a ``: keep-alive`` SSE comment every ``keepalive_s`` seconds while a stream has no new text
+        (waiting in the queue, evaluating its prompt), so idle-timeout proxies keep it open; 0 turns it off."""
+        if isinstance(keepalive_s, bool) or not isinstance(keepalive_s, (int, float)) \
+                or not math.isfinite(keepalive_s) or not 0 <= keepalive_s <= MAX_KEEPALIVE_S:
+            raise ConfigurationError(f"keepalive_s must be a number of seconds in 0..{MAX_KEEPALIVE_S:g} "
+                                     f"(0 = off), got {keepalive_s!r}", param="keepalive_s")
+        return dataclasses.replace(self, sse_keepalive_s=float(keepalive_s))
+
+    def cors(self, *, origins: Iterable[str] = ()) -> "App":
+        """Let browser pages from ``origins`` (``https://host[:port]``, or ``*`` for any) call the service.
+
+        None by default. The answers carry CORS headers (Starlette's
+        ``CORSMiddleware``) and preflight requests need no bearer token; a
+        token, if set, is still required on the requests themselves.
+        """
+        if isinstance(origins, str):
+            raise ConfigurationError("origins must be a list of origins, not one string", param="origins")
+        listed = tuple(origins)
+        for origin in listed:
+            if not isinstance(origin, str) or not (origin == "*" or _ORIGIN.match(origin)):
+                raise ConfigurationError(f"a CORS origin is '*' or scheme://host[:port] (http or https, no path), "
+                                         f"got {origin!r}", param="origins")
+        return dataclasses.replace(self, cors_origins=tuple(dict.fromkeys(listed)))
+
+    def logs(self, *, level: str = "warning", access_log: bool = False) -> "App":
+        """The server's log level (one of LOG_LEVELS) and whether it logs one line per request."""
+        if level not in LOG_LEVELS:
+            raise ConfigurationError(f"level must be one of {', '.join(LOG_LEVELS)}, got {level!r}", param="level")
+        if not isinstance(access_log, bool):
+            raise ConfigurationError(f"access_log must be True or False, got {access_log!r}", param="access_log")
+        return dataclasses.replace(self, log_level=level, access_log=access_log)
+
     # -- running ----------------------------------------------------------------------------
     def asgi(self) -> Any:
         """A new ASGI application (FastAPI) for any ASGI server; each call has its own pools and counters."""
@@ -152,7 +198,7 @@ class App:
             mounts=self.served,
             max_rows=self.max_rows, timeout_ms=self.timeout_ms, max_body_bytes=self.max_body_bytes,
             max_concurrent=self.max_concurrent, retry_after_s=self.retry_after_s, max_tokens=self.max_tokens,
-            bearer_token=self.bearer_token,
+            bearer_token=self.bearer_token, sse_keepalive_s=self.sse_keepalive_s, cors_origins=self.cors_origins,
         )
         return build_app(config)
 
@@ -163,7 +209,8 @@ class App:
         capacity = sum(m.capacity for m in asgi.state.mounts)
         routes = [r.listing for r in service_routes((s.path, s.name) for s in self.served)]
         return Server(asgi, title=self.title, host=self.host, port=self.port, routes=routes,
-                      models=[s.name for s in self.served], limit_concurrency=4 * capacity + 32)
+                      models=[s.name for s in self.served], limit_concurrency=4 * capacity + 32,
+                      log_level=self.log_level, access_log=self.access_log)
 
     def start(self, timeout_s: float = 30.0) -> Server:
         """Serve on a background thread (for notebooks); returns the running :class:`Server`."""

@@ -1,22 +1,160 @@
 """``aner-nb serve MODEL.gguf``: load a model, serve it over a batching lease until Ctrl-C or SIGTERM.
 
-The API key is read from an environment variable (``--api-key-env VAR``),
-never from the command line, where other users could read it in the
-process list. Once the service accepts connections one line goes to
-stdout: ``aner-nb serve: <model id> at <url>`` (with ``--port 0`` it names
-the port that was picked).
+Every option is checked before the model file is read (hashing a large
+model takes a while; a typo should not): its type and range, then the load
+settings (``LoadSettings``) and the service settings (the ``api.app``
+builders), each failure one line on stderr with exit code 2. Each option
+``--some-option`` also takes its default from the environment variable
+``ANER_NB_SOME_OPTION`` (the model path from ``ANER_NB_MODEL``); the
+command line wins. The API key is read from an environment variable
+(``--api-key-env VAR``), never from the command line, where other users
+could read it in the process list.
+
+Once the service accepts connections it prints ``aner-nb serve: <model id>
+at <url>`` (with ``--port 0`` it names the port that was picked), then the
+model's SHA-256 fingerprint and the context each sequence gets.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
+import socket
 import sys
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Callable, Optional
 
-from ..llm.profiles import CPU_EXTRA_BUFFERS
+from .._version import __version__
+from ..llm.batching import MAX_SEQUENCES
+from ..llm.memory import KV_CACHE_TYPES
+from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, MAX_CONTEXT, MAX_TOKENS
+from . import LOG_LEVELS, MAX_KEEPALIVE_S
 from .routes import service_routes
 
-__all__ = ["main", "parser"]
+__all__ = ["main", "parser", "OPTIONS"]
+
+ENV_PREFIX = "ANER_NB_"
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer in {low}..{high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise ValueError(f"expected an integer in {low}..{high}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    bounds = f"0..{MAX_KEEPALIVE_S:g} (0 = off)"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected seconds in {bounds}, got {text!r}") from None
+    if not math.isfinite(value) or not 0 <= value <= MAX_KEEPALIVE_S:
+        raise ValueError(f"expected seconds in {bounds}, got {text}")
+    return value
+
+
+def _text(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a non-empty value")
+    return text
+
+
+def _flag(text: str) -> bool:
+    """An environment variable's yes/no."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of ``aner-nb serve``: its flag, how a value is read, its default and its help."""
+
+    dest: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    metavar: Optional[str] = None
+    choices: Optional[tuple[str, ...]] = None
+    kind: str = "value"  # "value", "repeat" (given several times; comma-separated in the environment), "switch"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+    def from_env(self) -> Any:
+        """The value of the environment variable, parsed; None when it is unset or empty."""
+        raw = os.environ.get(self.env, "").strip()
+        if not raw:
+            return None
+        if self.kind == "repeat":
+            return [self.parse(part.strip()) for part in raw.split(",") if part.strip()]
+        if self.choices is not None and raw not in self.choices:
+            raise ValueError(f"invalid choice {raw!r} (choose from {', '.join(self.choices)})")
+        return self.parse(raw)
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", _text, "127.0.0.1", "address to listen on (loopback only by default)"),
+    Option("port", _int_in(0, 65535), 11435, "port; 0 picks a free one", "PORT"),
+    Option("max_sequences", _int_in(1, MAX_SEQUENCES), 4, "requests decoded together; up to 8 more wait in the queue", "N"),
+    Option("context", _int_in(1, MAX_CONTEXT), 4096, "context cells, split equally between the sequences", "N"),
+    Option("chat_template", _text, None, "a built-in template name (e.g. gemma) or a Jinja string", "T"),
+    Option("device", _text, "auto", "auto, cpu, cuda, cuda:N, metal or mps (an explicit device never falls back)"),
+    Option("kv_cache_type", str, "f16", "KV cache type (q8_0/q4_0 need flash attention)", choices=KV_CACHE_TYPES),
+    Option("flash_attention", str, "auto", "flash attention", choices=FLASH_ATTENTION),
+    Option("cpu_extra_buffers", str, "auto", "AMX/repack weight buffers: auto probes once per CPU and build in a "
+           "child process", choices=CPU_EXTRA_BUFFERS),
+    Option("threads", _int_in(0, 256), 0, "engine threads for every decode step, one-row or batched "
+           "(0: the engine's defaults)", "N"),
+    Option("name", _text, None, "the model id clients see (none: the model's name)"),
+    Option("max_tokens", _int_in(0, MAX_TOKENS), 256, "output cap per request", "N"),
+    Option("timeout_ms", _int_in(1, 24 * 3600 * 1000), 120_000, "request timeout", "MS"),
+    Option("sse_keepalive", _seconds, 15.0, "seconds between ': keep-alive' comments while a stream has no new "
+           "text (0 = off)", "SECONDS"),
+    Option("api_key_env", _text, None, "require 'Authorization: Bearer <key>' with the key read from environment "
+           "variable VAR", "VAR"),
+    Option("cors_origin", _text, [], "a browser origin (https://host[:port], or *) allowed to call the service; "
+           "repeatable", "ORIGIN", kind="repeat"),
+    Option("log_level", str, "warning", "log level of the server and the library", choices=LOG_LEVELS),
+    Option("access_log", _flag, False, "log one line per request", kind="switch"),
+)
+
+
+def _argument_type(option: Option) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return option.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = option.dest  # argparse names the type in some messages
+    return convert
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return "none" if not value else ",".join(value)
+    return "none" if value is None else str(value)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,59 +163,132 @@ def parser() -> argparse.ArgumentParser:
         prog="aner-nb serve",
         description=f"Serve a GGUF model over HTTP: {routes} (/v1 is OpenAI-compatible). "
         "Concurrent requests share one continuous-batching scheduler.",
+        epilog=f"Every option --some-option defaults to the environment variable {ENV_PREFIX}SOME_OPTION "
+        f"(MODEL.gguf to {ENV_PREFIX}MODEL; a repeatable option takes a comma-separated list; a switch "
+        "takes 1/0); the command line wins. Options are checked before the model is read.",
     )
-    p.add_argument("model", metavar="MODEL.gguf", help="a single-file GGUF text model")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    p.add_argument("--port", type=int, default=11435, help="port (default 11435; 0 picks a free one)")
-    p.add_argument("--max-sequences", type=int, default=4, metavar="N",
-                   help="requests decoded together (default 4); up to 8 more wait in the queue")
-    p.add_argument("--context", type=int, default=4096, metavar="N",
-                   help="context cells, split equally between the sequences (default 4096)")
-    p.add_argument("--chat-template", metavar="T", help="a built-in template name (e.g. gemma) or a Jinja string")
-    p.add_argument("--cpu-extra-buffers", choices=CPU_EXTRA_BUFFERS, default=None,
-                   help="AMX/repack weight buffers: auto probes once per CPU and build in a child process "
-                   "(default $ANER_NB_CPU_EXTRA_BUFFERS or auto)")
-    p.add_argument("--api-key-env", metavar="VAR",
-                   help="require 'Authorization: Bearer <key>' with the key read from environment variable VAR")
-    p.add_argument("--name", help="the model id clients see (default: the model's name)")
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="output cap per request (default 256)")
-    p.add_argument("--timeout-ms", type=int, default=120_000, metavar="MS", help="request timeout (default 120000)")
-    p.add_argument("--threads", type=int, default=0, metavar="N",
-                   help="engine threads for every decode step, one-row or batched (default 0: the engine's defaults)")
+    p.add_argument("model", metavar="MODEL.gguf", nargs="?", default=None,
+                   help=f"a single-file GGUF text model (env {ENV_PREFIX}MODEL)")
+    p.add_argument("--version", action="version", version=_version())
+    for option in OPTIONS:
+        text = f"{option.help} (default {_shown(option.default)}; env {option.env})"
+        if option.kind == "switch":
+            p.add_argument(option.flag, dest=option.dest, action=argparse.BooleanOptionalAction, default=None,
+                           help=text)
+        elif option.kind == "repeat":
+            p.add_argument(option.flag, dest=option.dest, action="append", type=_argument_type(option),
+                           default=None, metavar=option.metavar, help=text)
+        else:
+            p.add_argument(option.flag, dest=option.dest, type=_argument_type(option), default=None,
+                           metavar=option.metavar, choices=option.choices, help=text)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from .. import api, llm
-    from ..llm.errors import LLMError
+def _version() -> str:
+    try:
+        engine = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        engine = "not installed"
+    return f"aner-nb {__version__} (llama-cpp-python {engine})"
 
+
+def resolve(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option the command line left out from its environment variable, else its default."""
+    for option in OPTIONS:
+        if getattr(args, option.dest) is not None:
+            continue
+        try:
+            value = option.from_env()
+        except ValueError as exc:
+            p.error(f"{option.env} (for {option.flag}): {exc}")
+        setattr(args, option.dest, option.default if value is None else value)
+    if args.model is None:
+        args.model = os.environ.get(ENV_PREFIX + "MODEL") or None
+    if args.model is None:
+        p.error(f"the model path is required (MODEL.gguf or {ENV_PREFIX}MODEL)")
+    return args
+
+
+def check(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
+    """Check everything but the model's contents; returns the service builder (no model yet) and the API key.
+
+    Raises ``ValueError`` or the library's ``ConfigurationError`` with a one-line message.
+    """
+    from .. import api
+    from ..llm.chat import resolve_template
+    from ..llm.loader import resolve_device
+    from ..llm.profiles import LoadSettings, OptimizerSettings
+
+    if not os.path.isfile(args.model):
+        raise ValueError(f"{args.model}: no such file")
     token = None
     if args.api_key_env:
         token = os.environ.get(args.api_key_env)
         if not token:
-            print(f"aner-nb serve: environment variable {args.api_key_env} is unset or empty", file=sys.stderr)
-            return 2
+            raise ValueError(f"environment variable {args.api_key_env} is unset or empty")
+    LoadSettings(context=args.context, device=args.device, kv_cache_type=args.kv_cache_type,
+                 flash_attention=args.flash_attention, chat_template=args.chat_template,
+                 cpu_extra_buffers=args.cpu_extra_buffers)
+    resolve_device(args.device)  # an explicit device this build lacks fails now, not after hashing
+    if args.chat_template is not None:
+        resolve_template(args.chat_template, None)  # a built-in name, or Jinja that compiles in the sandbox
+    OptimizerSettings(threads=args.threads, prefill_threads=args.threads)
+    if args.context < args.max_sequences:
+        raise ValueError(f"--max-sequences {args.max_sequences} must be <= --context {args.context}: each sequence "
+                         "gets an equal share of the context")
     try:
-        base = llm.load(args.model, context=args.context, chat_template=args.chat_template,
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--host {args.host}: {exc}") from None
+    builder = (
+        api.app(f"aner-nb serve {os.path.basename(args.model)}")
+        .bind(host=args.host, port=args.port)
+        .limits(timeout_ms=args.timeout_ms)
+        .output_limit(max_tokens=args.max_tokens)
+        .auth(bearer_token=token)
+        .sse(keepalive_s=args.sse_keepalive)
+        .cors(origins=args.cors_origin)
+        .logs(level=args.log_level, access_log=args.access_log)
+    )
+    return builder, token
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = resolve(p, p.parse_args(argv))
+    from .. import llm
+    from ..llm.errors import LLMError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        builder, _ = check(args)
+    except (ValueError, LLMError) as exc:
+        print(f"aner-nb serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        base = llm.load(args.model, context=args.context, device=args.device, kv_cache_type=args.kv_cache_type,
+                        flash_attention=args.flash_attention, chat_template=args.chat_template,
                         cpu_extra_buffers=args.cpu_extra_buffers)
     except (LLMError, OSError) as exc:
         print(f"aner-nb serve: cannot load {args.model}: {exc}", file=sys.stderr)
         return 2
+    return _serve(builder, base, args)
+
+
+def _serve(builder: Any, base: Any, args: argparse.Namespace) -> int:
+    """Serve ``base`` (through a batching lease) until stopped; close every lease made here."""
+    from ..llm.errors import LLMError
+
     model = source = None
     try:
         source = base.with_optimizer(threads=args.threads, prefill_threads=args.threads) if args.threads else base
         model = source.with_batching(args.max_sequences)
-        service = (
-            api.app(f"aner-nb serve {os.path.basename(args.model)}")
-            .llm(path="/chat", model=model, name=args.name)
-            .bind(host=args.host, port=args.port)
-            .limits(timeout_ms=args.timeout_ms)
-            .output_limit(max_tokens=args.max_tokens)
-            .auth(bearer_token=token)
-        )
-        server = service.start()
+        server = builder.llm(path="/chat", model=model, name=args.name).start()
+        stats = model.stats()
         print(f"aner-nb serve: {server.models[0]} at {server.url}", flush=True)
+        print(f"  model sha256 {model.fingerprint}", flush=True)
+        print(f"  context {stats.sequence_context} tokens per sequence x {stats.max_sequences} sequences "
+              f"(+{stats.queue_limit} queued)", flush=True)
         server.serve()
     except (LLMError, OSError, RuntimeError) as exc:
         print(f"aner-nb serve: {exc}", file=sys.stderr)

@@ -16,12 +16,16 @@ BusyError                              503     ``Retry-After``
 ClosedError                            503     the model was closed
 EngineError (and anything unexpected)  500
 =====================================  ======  ==========================
+
+The OpenAI routes add their own 400s before the library is called
+(``openai_fields``): ``unsupported_parameter`` for a field the service
+cannot honour, ``unknown_parameter`` for one OpenAI does not define.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,28 +73,35 @@ def busy(message: str, retry_after_s: int) -> ApiError:
     )
 
 
-def request_param(param: str | None, fields: Collection[str], prompt_field: str) -> str | None:
+def request_param(param: str | None, fields: Collection[str], prompt_field: str,
+                  renames: Mapping[str, str] | None = None) -> str | None:
     """A library error's ``param`` as the route's request field, or None when the route has no such field.
 
     ``fields`` are the route's request fields and ``prompt_field`` the one
     holding its input: where that is ``prompt``, the library's ``messages...``
-    (the prompt rendered as messages) is reported as ``prompt``.
+    (the prompt rendered as messages) is reported as ``prompt``. ``renames``
+    maps a library option to the route's field for it (on the OpenAI routes
+    ``json_schema`` is ``response_format``).
     """
     if param is None:
         return None
     name = param.split("[", 1)[0].split(".", 1)[0]
     if name == "messages" and prompt_field == "prompt":
         return "prompt"
+    if renames and name in renames:
+        return renames[name]
     return param if name in fields else None
 
 
-def from_library(exc: BaseException, *, fields: Collection[str], prompt_field: str, retry_after_s: int = 1) -> ApiError:
+def from_library(exc: BaseException, *, fields: Collection[str], prompt_field: str, retry_after_s: int = 1,
+                 renames: Mapping[str, str] | None = None) -> ApiError:
     """The HTTP answer for a library error on a route with request ``fields`` whose input is ``prompt_field``."""
     message = " ".join(str(exc).split())
     if isinstance(exc, llm_errors.ContextOverflowError):
         return ApiError(400, message, param=prompt_field, code="context_length_exceeded")
     if isinstance(exc, (llm_errors.InvalidRequestError, llm_errors.ChatTemplateError)):
-        return ApiError(400, message, param=request_param(exc.param, fields, prompt_field), code="invalid_value")
+        return ApiError(400, message, param=request_param(exc.param, fields, prompt_field, renames),
+                        code="invalid_value")
     if isinstance(exc, llm_errors.BusyError):
         return busy(message, retry_after_s)
     if isinstance(exc, llm_errors.ClosedError):

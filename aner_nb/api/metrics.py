@@ -1,24 +1,51 @@
-"""Counters of the HTTP service and their Prometheus text exposition.
+"""The service's Prometheus metrics, on a ``prometheus_client`` registry of its own per application.
 
-Counters live per served model (``MountMetrics``) and are plain integers
-under a lock: cheap to bump from the event loop and from worker threads.
-Gauges (in flight, queue length, active sequences) are read when
-``/metrics`` is scraped, from the admission gate and the batching
-scheduler's snapshot. The scheduler's families are not listed here: they
-are the ``metric`` metadata of :class:`aner_nb.llm.scheduler.SchedulerStats`.
+Each application gets a :class:`ServiceMetrics` (never the process-global
+registry, so two services in one process, or a test's many, do not mix).
+Counters and histograms are ``prometheus_client`` objects, updated as
+requests happen (thread safe: the event loop and worker threads both
+update them); gauges are read at scrape time by a collector: the admission
+gate's in-flight count and capacity, the batching scheduler's snapshot,
+and the process's resident memory. The scheduler's families are not listed
+here: they are the ``metric`` metadata of
+:class:`aner_nb.llm.scheduler.SchedulerStats`.
+
+Families (names in base units: ``_seconds``, ``_bytes``; counters end in ``_total``):
+
+- by ``route`` (the declared paths; anything else is ``other``):
+  ``aner_http_requests_total`` (and ``code``),
+  ``aner_http_request_duration_seconds`` (arrival to the answer's last byte),
+  ``aner_http_time_to_first_token_seconds`` (admission to the first text piece);
+- by ``model``: ``aner_requests_total``, ``aner_busy_rejections_total``,
+  ``aner_timeouts_total``, ``aner_disconnects_total``, ``aner_prompt_tokens_total``,
+  ``aner_completion_tokens_total``, ``aner_queue_duration_seconds``,
+  ``aner_prefill_duration_seconds``, ``aner_decode_duration_seconds`` (the
+  library's timings of finished requests), ``aner_http_in_flight``,
+  ``aner_http_capacity``, and a batching lease's scheduler families
+  (``aner_queue_length``, ``aner_active_sequences``, ...);
+- ``process_resident_memory_bytes``.
+
+The text is ``prometheus_client.generate_latest`` of the app's own registry
+(text format 0.0.4): label order and number formatting are the client
+library's, so scrapers and tests must not depend on either.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..llm.scheduler import stat_fields
 
-__all__ = ["MountMetrics", "render"]
+__all__ = ["CONTENT_TYPE", "ServiceMetrics", "ModelMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# From a 5 ms answer to a 5 minute generation.
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 _COUNTERS = {
     "requests": "Generation requests admitted to the model.",
@@ -28,72 +55,99 @@ _COUNTERS = {
     "prompt_tokens": "Prompt tokens of finished requests.",
     "completion_tokens": "Generated tokens of finished requests.",
 }
+# The library's timings (ns) observed per finished request, by histogram name.
+_TIMINGS = {
+    "aner_queue_duration_seconds": ("queue_duration", "Time finished requests waited for a sequence or context."),
+    "aner_prefill_duration_seconds": ("prompt_eval_duration", "Prompt evaluation time of finished requests."),
+    "aner_decode_duration_seconds": ("decode_duration", "Decode time of finished requests."),
+}
 
 
-class MountMetrics:
-    """Counters of one served model (and, for the service, requests by route and status)."""
+class ModelMetrics:
+    """The metrics of one served model, as its mount and the service update them."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
-        self._requests: Counter[tuple[str, str]] = Counter()  # (route, status code) -> count
-        self._duration_sum = 0.0
-        self._duration_count = 0
+    def __init__(self, service: "ServiceMetrics", model: str) -> None:
+        self._service = service
+        self._counters = {key: counter.labels(model=model) for key, counter in service.counters.items()}
+        self._timings = {attr: service.timings[name].labels(model=model) for name, (attr, _) in _TIMINGS.items()}
 
     def count(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += value
+        """Add ``value`` to this model's counter ``name`` (a key of ``_COUNTERS``)."""
+        self._counters[name].inc(value)
+
+    def finished(self, route: str, response: Any, first_piece_s: float | None) -> None:
+        """Record a request that ran to its end: tokens, the library's timings, time to first piece."""
+        self.count("prompt_tokens", response.usage.prompt_tokens)
+        self.count("completion_tokens", response.usage.completion_tokens)
+        for attr, histogram in self._timings.items():
+            ns = getattr(response.timings, attr)
+            if ns >= 0:  # -1: not measured
+                histogram.observe(ns / 1e9)
+        if first_piece_s is not None:
+            self._service.first_token.labels(route=route).observe(first_piece_s)
+
+
+class ServiceMetrics:
+    """One application's registry: the request-level families, and each served model's."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("aner_http_requests", "HTTP requests answered, by route and status code.",
+                                ["route", "code"], registry=r)
+        self.duration = Histogram("aner_http_request_duration_seconds",
+                                  "Time from the request's arrival to the end of its answer, by route.",
+                                  ["route"], buckets=SECONDS_BUCKETS, registry=r)
+        self.first_token = Histogram("aner_http_time_to_first_token_seconds",
+                                     "Time from a request's admission to its first text piece, by route.",
+                                     ["route"], buckets=SECONDS_BUCKETS, registry=r)
+        self.counters = {key: Counter(f"aner_{key}", text, ["model"], registry=r) for key, text in _COUNTERS.items()}
+        self.timings = {name: Histogram(name, text, ["model"], buckets=SECONDS_BUCKETS, registry=r)
+                        for name, (_, text) in _TIMINGS.items()}
+        self._mounts: Callable[[], Iterable[Any]] = tuple
+        r.register(_ScrapeTimeCollector(lambda: self._mounts()))
+
+    def model(self, name: str) -> ModelMetrics:
+        return ModelMetrics(self, name)
+
+    def watch(self, mounts: Callable[[], Iterable[Any]]) -> None:
+        """Read gauges from ``mounts()`` (the served mounts: gate, capacity, scheduler stats) at each scrape."""
+        self._mounts = mounts
 
     def request(self, route: str, status: int, seconds: float) -> None:
-        with self._lock:
-            self._requests[(route, str(status))] += 1
-            self._duration_sum += seconds
-            self._duration_count += 1
+        """An HTTP request answered (the guard calls this for every request, refused ones included)."""
+        self.requests.labels(route=route, code=str(status)).inc()
+        self.duration.labels(route=route).observe(seconds)
 
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "counts": dict(self._counts),
-                "requests": dict(self._requests),
-                "duration_sum": self._duration_sum,
-                "duration_count": self._duration_count,
-            }
+    def render(self) -> bytes:
+        """Prometheus text format (0.0.4)."""
+        return generate_latest(self.registry)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _ScrapeTimeCollector:
+    """Gauges read when ``/metrics`` is scraped: in flight, capacity, scheduler stats, resident memory."""
 
+    def __init__(self, mounts: Callable[[], Iterable[Any]]) -> None:
+        self._mounts = mounts
 
-def render(service: MountMetrics, mounts: Iterable[Any]) -> str:
-    """Prometheus text format (0.0.4): the service's request counts, then each model's (``model="<id>"``)."""
-    mounts = list(mounts)
-    lines: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            number = repr(float(value)) if isinstance(value, float) else str(int(value))
-            lines.append(f"{name}{{{labels}}} {number}" if labels else f"{name} {number}")
-
-    service_snap = service.snapshot()
-    family(
-        "aner_http_requests_total", "counter", "HTTP requests answered, by route and status code.",
-        [(f'route="{_escape(route)}",code="{code}"', n) for (route, code), n in sorted(service_snap["requests"].items())],
-    )
-    lines.append("# HELP aner_http_request_duration_seconds Time from the request's arrival to the end of its answer.")
-    lines.append("# TYPE aner_http_request_duration_seconds summary")
-    lines.append(f"aner_http_request_duration_seconds_sum {service_snap['duration_sum']!r}")
-    lines.append(f"aner_http_request_duration_seconds_count {service_snap['duration_count']}")
-    snaps = [(m, f'model="{_escape(m.name)}"', m.metrics.snapshot(), m.stats()) for m in mounts]
-    for key, help_text in _COUNTERS.items():
-        family(f"aner_{key}_total", "counter", help_text, [(label, snap["counts"].get(key, 0)) for _, label, snap, _ in snaps])
-    family("aner_http_in_flight", "gauge", "Requests admitted and not yet finished.",
-           [(label, m.gate.in_flight) for m, label, _, _ in snaps])
-    family("aner_http_capacity", "gauge", "Requests admitted at most at once (workers = running + queued).",
-           [(label, m.capacity) for m, label, _, _ in snaps])
-    batching = [(label, stats) for _, label, _, stats in snaps if stats is not None]
-    for f in stat_fields("metric"):
-        meta = f.metadata
-        family(meta["metric"], meta["metric_type"], meta["help"], [(label, getattr(s, f.name)) for label, s in batching])
-    return "\n".join(lines) + "\n"
+    def collect(self) -> Iterator[Metric]:
+        mounts = list(self._mounts())
+        in_flight = GaugeMetricFamily("aner_http_in_flight", "Requests admitted and not yet finished.", labels=["model"])
+        capacity = GaugeMetricFamily("aner_http_capacity",
+                                     "Requests admitted at most at once (workers = running + queued).", labels=["model"])
+        for m in mounts:
+            in_flight.add_metric([m.name], m.gate.in_flight)
+            capacity.add_metric([m.name], m.capacity)
+        yield in_flight
+        yield capacity
+        batching = [(m.name, stats) for m in mounts if (stats := m.stats()) is not None]
+        for f in stat_fields("metric"):
+            meta = f.metadata
+            kind = CounterMetricFamily if meta["metric_type"] == "counter" else GaugeMetricFamily
+            family = kind(meta["metric"], meta["help"], labels=["model"])
+            for name, stats in batching:
+                family.add_metric([name], getattr(stats, f.name))
+            yield family
+        rss = GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of this process (bytes).")
+        rss.add_metric([], psutil.Process().memory_info().rss)
+        yield rss

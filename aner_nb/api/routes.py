@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 from starlette.responses import PlainTextResponse
 
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .schemas import ChatAnswer, ChatCompletion, ErrorBody, Health, ModelCard, ModelList
+from .schemas import ChatAnswer, ChatCompletion, ErrorBody, Health, ModelCard, ModelList, TextCompletion
 
 if TYPE_CHECKING:
     from ..llm import Lease
@@ -60,7 +60,8 @@ def _errors(status: int, description: str) -> dict[int, dict[str, Any]]:
 
 
 _REQUEST_ERRORS: dict[int, dict[str, Any]] = {
-    **_errors(400, "invalid value, context_length_exceeded, malformed JSON"),
+    **_errors(400, "invalid value, context_length_exceeded, malformed JSON; on the OpenAI routes also a field "
+                   "this service cannot honour (unsupported_parameter) or does not know (unknown_parameter)"),
     **_errors(401, "missing or invalid bearer token (when the service has one)"),
     **_errors(413, "request body above the service's limit"),
     **_errors(422, "wrong type, missing field or out-of-range value; error.param names the field"),
@@ -72,15 +73,20 @@ _REQUEST_ERRORS: dict[int, dict[str, Any]] = {
     **_errors(504, "the request ran past the timeout; its generation was cancelled"),
 }
 
-# The streamed answer's events are published as the ChatCompletionChunk schema (see service._openapi).
-_EVENT_STREAM = {"text/event-stream": {"schema": {"$ref": "#/components/schemas/ChatCompletionChunk"}}}
+
+def _streamed(answer: str, chunk: str) -> dict[int, dict[str, Any]]:
+    """A 200 that is ``answer`` JSON, or with stream=true ``chunk`` events (published by service._openapi)."""
+    return {200: {"description": f"a {answer}, or with stream=true server-sent {chunk} events (and ': keep-alive' "
+                                 "comments while no text comes) ending with 'data: [DONE]'",
+                  "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk}"}}}},
+            **_errors(404, "unknown model (several served)"), **_REQUEST_ERRORS}
+
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/chat/completions", "chat_completions", "OpenAI chat.completions.create",
-          ChatCompletion, {200: {"description": "a chat.completion, or with stream=true server-sent "
-                                                "ChatCompletionChunk events ending with 'data: [DONE]'",
-                                 "content": _EVENT_STREAM},
-                           **_errors(404, "unknown model (several served)"), **_REQUEST_ERRORS}),
+          ChatCompletion, _streamed("chat.completion", "ChatCompletionChunk")),
+    Route("POST", "/v1/completions", "completions", "OpenAI completions.create: raw text, no chat template",
+          TextCompletion, _streamed("text_completion", "TextCompletionChunk")),
     Route("GET", "/v1/models", "list_models", "The served models", ModelList),
     Route("GET", "/v1/models/{model_id}", "get_model", "One served model", ModelCard, _errors(404, "not served")),
     Route("GET", "/health", "health", "Liveness for gateways (no token needed)", Health,

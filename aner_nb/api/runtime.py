@@ -18,7 +18,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from ..llm import Lease, Response
-from .metrics import MountMetrics
+from .metrics import ModelMetrics, ServiceMetrics
 
 __all__ = ["Gate", "Mount", "Generation", "RequestTimeout", "ClientGone", "capacity_of"]
 
@@ -65,14 +65,15 @@ def capacity_of(model: Lease) -> int:
 class Mount:
     """One served model: its route, public id, admission gate, worker pool and counters."""
 
-    def __init__(self, *, path: str, model: Lease, name: str, max_concurrent: int | None) -> None:
+    def __init__(self, *, path: str, model: Lease, name: str, max_concurrent: int | None,
+                 metrics: ModelMetrics | None = None) -> None:
         self.path = path
         self.model: Any = model
         self.name = name
         self.batching = model.supports("continuous_batching")  # it has a scheduler whose stats() we read
         self.capacity = max_concurrent if max_concurrent is not None else capacity_of(model)
         self.gate = Gate(self.capacity)
-        self.metrics = MountMetrics()
+        self.metrics = metrics if metrics is not None else ServiceMetrics().model(name)
         self.created = int(time.time())
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -149,7 +150,9 @@ class Generation:
     def __init__(self, mount: Mount, timeout_s: float) -> None:
         self.mount = mount
         self.loop = asyncio.get_running_loop()
-        self.deadline = self.loop.time() + timeout_s
+        self.admitted_at = self.loop.time()
+        self.deadline = self.admitted_at + timeout_s
+        self.first_piece_s: float | None = None  # seconds from admission to the first text piece
         self.stream: Any = None
         self.timed_out = False
         self.disconnected = False
@@ -187,12 +190,11 @@ class Generation:
                 if piece is _END:
                     self._release()
                     return
+                if self.first_piece_s is None:
+                    self.first_piece_s = self.loop.time() - self.admitted_at
                 yield piece
         except asyncio.CancelledError:  # the server cancelled the task: its streaming client went away
-            if not self._released:
-                self.disconnected = True
-                self.mount.metrics.count("disconnects")
-            self.abort()
+            self.client_gone()
             raise
         except BaseException:
             self.abort()
@@ -229,14 +231,24 @@ class Generation:
                 self._in_flight = None
             return wrapped.result()  # the library's error, if any, is raised here
         if watch is not None and watch in done:
-            self.disconnected = True
-            self.mount.metrics.count("disconnects")
+            self.client_gone()
             raise ClientGone()
         self.timed_out = True
         self.mount.metrics.count("timeouts")
         self.abort()
         await self.wait_closed()
         raise RequestTimeout()
+
+    def client_gone(self) -> None:
+        """The client went away: counted once, unless the generation had already ended or been given up
+        (a timeout, an error); then cancelled. Safe to call from every place that notices it."""
+        with self._lock:
+            noticed = not (self.disconnected or self._released or self._aborting)
+            if noticed:
+                self.disconnected = True
+        if noticed:
+            self.mount.metrics.count("disconnects")
+        self.abort()
 
     def abort(self) -> None:
         """Cancel the generation; the stream is closed and the gate left on a helper thread."""

@@ -1,18 +1,13 @@
-"""Request and response bodies of the HTTP routes (pydantic models, published in ``/openapi.json``).
+"""Response bodies of the HTTP routes (pydantic models, published in ``/openapi.json``).
 
-Request models are built per service because their bounds are the
-service's limits (``output_limit(max_tokens=...)``, ``limits(max_rows=...)``),
-so the published schema states exactly what is accepted. Fields are strict:
-``"5"`` is not an integer and ``true`` is not a number, and the 422 answer
-names the field. The seed route (``/chat``) rejects unknown fields, so a
-misspelt option fails instead of being ignored; the OpenAI route ignores
-fields it does not know (clients send many), but rejects known ones whose
-values it cannot honour (``n`` other than 1, ``logprobs``).
-
-Response models are the routes' ``response_model``: each route returns one
-of them (built here from the library's :class:`~aner_nb.llm.Response` by the
-``of`` constructors), so the published schema is what is sent. A streamed
-answer is a sequence of :class:`ChatCompletionChunk` events.
+Each route returns one of these as its ``response_model`` (built here from
+the library's :class:`~aner_nb.llm.Response` by the ``of`` constructors), so
+the published schema is what is sent. A streamed answer is a sequence of
+chunk events: :class:`ChatCompletionChunk` on ``/v1/chat/completions``,
+:class:`TextCompletionChunk` on ``/v1/completions``; both chunk classes
+offer the same four constructors (``opening``, ``text``, ``finish``,
+``usage_of``) so one SSE writer serves both routes. The request bodies are
+in ``request_bodies``.
 """
 
 from __future__ import annotations
@@ -21,98 +16,19 @@ import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, Field, create_model
 
-from ..llm.profiles import MAX_SEED, MAX_STOP_STRINGS
 from ..llm.response import Response, Usage
 from ..llm.timings import timing_fields
 
 __all__ = [
-    "RequestModels", "request_models", "ErrorBody", "TimingsBody", "ChatAnswer", "Envelope", "ChatCompletion",
-    "ChatCompletionChunk", "ChunkDelta", "ModelList", "ModelCard", "ModelHealth", "Health",
+    "ErrorBody", "TimingsBody", "ChatAnswer", "Envelope", "ChatCompletion", "ChatCompletionChunk", "ChunkDelta",
+    "TextCompletion", "TextCompletionChunk", "ModelList", "ModelCard", "ModelHealth", "Health",
 ]
 
 FinishReason = Literal["stop", "length"]  # a cancelled generation is answered with an error, never a body
-Stop = Optional[Union[str, list[str]]]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-
-class TextPart(BaseModel):
-    """One text part of an OpenAI message whose content is a list of parts."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    """An OpenAI chat message; ``developer`` is served as ``system``."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
-
-    def plain(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-    include_usage: bool = True
-
-
-class RequestModels:
-    """The two request bodies of one service, bounded by its limits."""
-
-    def __init__(self, chat: type[BaseModel], completion: type[BaseModel]) -> None:
-        self.chat = chat
-        self.completion = completion
-
-
-def request_models(*, max_tokens: int, max_rows: int) -> RequestModels:
-    """Request models whose ``max_tokens`` is capped at ``max_tokens`` and ``messages`` at ``max_rows``."""
-    cap, rows = max_tokens, max_rows  # class bodies below assign these names, so they read the copies
-    stop_field: Any = Field(
-        None,
-        description=f"A stop string or up to {MAX_STOP_STRINGS} of them; generation ends before the first match.",
-    )
-
-    class ChatRequest(_Strict):
-        """The seed route: one user prompt, formatted with the model's chat template.
-
-        Every field but ``prompt`` is passed to the library under its own name (``service.seed_call``).
-        """
-
-        prompt: str = Field(description="The user message.")
-        max_tokens: int = Field(cap, ge=0, le=cap, description="Most tokens to generate (default: the cap).")
-        temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 is greedy.")
-        seed: int = Field(0, ge=0, le=MAX_SEED)
-        stop: Stop = stop_field
-
-    class ChatCompletionRequest(BaseModel):
-        """OpenAI ``chat.completions.create`` arguments this service honours."""
-
-        model_config = ConfigDict(strict=True, extra="ignore")
-        model: Optional[str] = Field(None, description="The served model's id (see /v1/models).")
-        messages: list[Message] = Field(min_length=1, max_length=rows)
-        max_tokens: Optional[int] = Field(None, ge=0, le=cap, description="Default: the service's cap.")
-        max_completion_tokens: Optional[int] = Field(None, ge=0, le=cap, description="Alias of max_tokens.")
-        temperature: Optional[float] = Field(None, ge=0.0, le=2.0, allow_inf_nan=False,
-                                             description="Default 0 (greedy), unlike OpenAI's 1.")
-        seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
-        stop: Stop = stop_field
-        stream: Optional[bool] = False
-        stream_options: Optional[StreamOptions] = None
-        n: Optional[int] = Field(None, ge=1, le=1, description="Only one choice is generated.")
-        logprobs: Optional[Literal[False]] = Field(None, description="Log probabilities are not returned.")
-
-    return RequestModels(ChatRequest, ChatCompletionRequest)
 
 
 # -- responses: what the routes return (their ``response_model``) -------------------------------
@@ -190,16 +106,69 @@ class CompletionUsage(BaseModel):
 
 @dataclass(frozen=True)
 class Envelope:
-    """What the completion object and every chunk of one OpenAI answer share."""
+    """What the completion object and every chunk of one OpenAI answer share.
+
+    ``seed`` is the seed the request ran with (the client's, or the fresh
+    one drawn when it gave none): sending it back reproduces the answer.
+    """
 
     id: str
     created: int
     model: str
     system_fingerprint: str
+    seed: int
 
     @classmethod
-    def new(cls, model: str, fingerprint: str) -> "Envelope":
-        return cls(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, f"fp_{fingerprint[:12]}")
+    def new(cls, prefix: str, model: str, fingerprint: str, seed: int) -> "Envelope":
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, f"fp_{fingerprint[:12]}", seed)
+
+
+class _OpenAIObject(BaseModel):
+    """What every OpenAI answer object and chunk carries (an :class:`Envelope`), and its ``object`` name."""
+
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    seed: int = Field(description="The sampling seed this answer used; send it back to reproduce the answer.")
+
+    @classmethod
+    def _object(cls) -> str:
+        """The ``object`` value of this class (its ``object`` field is a one-value Literal)."""
+        return get_args(cls.model_fields["object"].annotation)[0]
+
+    @classmethod
+    def _build(cls, envelope: Envelope, choices: list[Any], response: Optional[Response] = None) -> Any:
+        extra = {} if response is None else {"usage": CompletionUsage.of(response.usage),
+                                             "timings": response.timings.as_dict()}
+        return cls(**dataclasses.asdict(envelope), object=cls._object(), choices=choices, **extra)
+
+
+class _Answer(_OpenAIObject):
+    """A whole (non-streamed) answer: one choice, the usage and the library's timings (ns)."""
+
+    usage: CompletionUsage
+    timings: TimingsBody  # type: ignore[valid-type]
+
+    @classmethod
+    def of(cls, envelope: Envelope, response: Response) -> Any:
+        return cls._build(envelope, [cls._choice(response)], response)
+
+    @classmethod
+    def _choice(cls, response: Response) -> BaseModel:
+        raise NotImplementedError
+
+
+class _Chunk(_OpenAIObject):
+    """A streamed event; both chunk classes offer ``opening``, ``text``, ``finish`` and ``usage_of``."""
+
+    usage: Optional[CompletionUsage] = None
+    timings: Optional[TimingsBody] = None  # type: ignore[valid-type]
+
+    @classmethod
+    def usage_of(cls, envelope: Envelope, response: Response) -> Any:
+        """The last chunk when ``stream_options.include_usage`` is true: no choices, the usage and timings."""
+        return cls._build(envelope, [], response)
 
 
 class CompletionMessage(BaseModel):
@@ -214,24 +183,16 @@ class Choice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    """OpenAI ``chat.completion``, plus ``timings`` (the library's, in ns)."""
+class ChatCompletion(_Answer):
+    """OpenAI ``chat.completion``, plus ``seed`` and ``timings`` (the library's, in ns)."""
 
-    id: str
     object: Literal["chat.completion"]
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[Choice]
-    usage: CompletionUsage
-    timings: TimingsBody  # type: ignore[valid-type]
 
     @classmethod
-    def of(cls, envelope: Envelope, response: Response) -> "ChatCompletion":
-        choice = Choice(index=0, message=CompletionMessage(role="assistant", content=response.text),
-                        finish_reason=response.finish_reason, logprobs=None)
-        return cls(**dataclasses.asdict(envelope), object="chat.completion", choices=[choice],
-                   usage=CompletionUsage.of(response.usage), timings=response.timings.as_dict())
+    def _choice(cls, response: Response) -> Choice:
+        message = CompletionMessage(role="assistant", content=response.text)
+        return Choice(index=0, message=message, finish_reason=response.finish_reason)
 
 
 class ChunkDelta(BaseModel):
@@ -248,34 +209,76 @@ class ChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    """One ``data:`` event of a streamed answer (OpenAI ``chat.completion.chunk``).
+class ChatCompletionChunk(_Chunk):
+    """One ``data:`` event of a streamed chat answer (OpenAI ``chat.completion.chunk``).
 
     The stream is: a chunk with the role, one chunk per text piece, a chunk
-    with ``finish_reason``, then (unless ``stream_options.include_usage`` is
-    false) a chunk with no choices carrying ``usage`` and ``timings``, then
+    with ``finish_reason``, then (only when ``stream_options.include_usage``
+    is true) a chunk with no choices carrying ``usage`` and ``timings``, then
     ``data: [DONE]``. A failure mid-stream is one :class:`ErrorBody` event
     instead of the rest. Only the fields shown in each chunk are sent.
     """
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    system_fingerprint: str
     choices: list[ChunkChoice]
-    usage: Optional[CompletionUsage] = None
-    timings: Optional[TimingsBody] = None  # type: ignore[valid-type]
 
     @classmethod
-    def piece(cls, envelope: Envelope, delta: ChunkDelta, finish_reason: Optional[str] = None) -> "ChatCompletionChunk":
-        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)
-        return cls(**dataclasses.asdict(envelope), object="chat.completion.chunk", choices=[choice])
+    def _delta(cls, envelope: Envelope, delta: ChunkDelta, finish_reason: Optional[str] = None) -> "ChatCompletionChunk":
+        return cls._build(envelope, [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)])
 
     @classmethod
-    def usage_of(cls, envelope: Envelope, response: Response) -> "ChatCompletionChunk":
-        return cls(**dataclasses.asdict(envelope), object="chat.completion.chunk", choices=[],
-                   usage=CompletionUsage.of(response.usage), timings=response.timings.as_dict())
+    def opening(cls, envelope: Envelope) -> "ChatCompletionChunk":
+        return cls._delta(envelope, ChunkDelta(role="assistant", content=""))
+
+    @classmethod
+    def text(cls, envelope: Envelope, piece: str) -> "ChatCompletionChunk":
+        return cls._delta(envelope, ChunkDelta(content=piece))
+
+    @classmethod
+    def finish(cls, envelope: Envelope, finish_reason: str) -> "ChatCompletionChunk":
+        return cls._delta(envelope, ChunkDelta(), finish_reason)
+
+
+class TextChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[FinishReason] = None
+    logprobs: None = None
+
+
+class TextCompletion(_Answer):
+    """OpenAI ``text_completion`` (``/v1/completions``), plus ``seed`` and ``timings`` (the library's, in ns)."""
+
+    object: Literal["text_completion"]
+    choices: list[TextChoice]
+
+    @classmethod
+    def _choice(cls, response: Response) -> TextChoice:
+        return TextChoice(index=0, text=response.text, finish_reason=response.finish_reason, logprobs=None)
+
+
+class TextCompletionChunk(_Chunk):
+    """One ``data:`` event of a streamed ``/v1/completions`` answer (OpenAI's legacy stream).
+
+    One chunk per text piece, a chunk with empty text and ``finish_reason``,
+    then (only when ``stream_options.include_usage`` is true) a chunk with
+    no choices carrying ``usage`` and ``timings``, then ``data: [DONE]``.
+    """
+
+    object: Literal["text_completion"]
+    choices: list[TextChoice]
+
+    @classmethod
+    def opening(cls, envelope: Envelope) -> None:
+        return None  # the legacy stream names no role
+
+    @classmethod
+    def text(cls, envelope: Envelope, piece: str, finish_reason: Optional[str] = None) -> "TextCompletionChunk":
+        return cls._build(envelope, [TextChoice(index=0, text=piece, finish_reason=finish_reason, logprobs=None)])
+
+    @classmethod
+    def finish(cls, envelope: Envelope, finish_reason: str) -> "TextCompletionChunk":
+        return cls.text(envelope, "", finish_reason)
 
 
 class ModelCard(BaseModel):

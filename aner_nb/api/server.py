@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import ipaddress
+import logging
 import signal
 import socket
 import threading
@@ -48,7 +49,8 @@ class Server:
     """A running service: ``url``, ``stop()``, ``wait()``; a context manager; shows itself in notebooks."""
 
     def __init__(self, asgi: Any, *, title: str, host: str, port: int, routes: list[str], models: list[str],
-                 limit_concurrency: int, graceful_s: float = 5.0) -> None:
+                 limit_concurrency: int, graceful_s: float = 5.0, log_level: str = "warning",
+                 access_log: bool = False) -> None:
         import uvicorn
 
         self.title = title
@@ -61,9 +63,11 @@ class Server:
         shown = f"[{bound_host}]" if ":" in bound_host else host
         self.url = f"http://{shown}:{bound_port}"
         config = uvicorn.Config(
-            asgi, loop="asyncio", http="h11", ws="none", lifespan="on", log_level="warning", access_log=False,
+            asgi, loop="asyncio", http="h11", ws="none", lifespan="on", log_level=log_level, access_log=access_log,
             timeout_keep_alive=5, limit_concurrency=limit_concurrency, timeout_graceful_shutdown=graceful_s,
         )
+        if access_log:  # uvicorn logs access lines at INFO: show them whatever the server's level
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self._server: Any = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

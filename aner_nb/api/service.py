@@ -1,11 +1,12 @@
 """The FastAPI application: each route's endpoint, and one request's way through the service.
 
 The routes are declared in ``routes``; here each gets its endpoint. A
-request is parsed into a :class:`Call` (the library's arguments, and how
-the route names its fields), admitted (the model is open and its gate has
-room, else 503), run as a stream on the model's worker pool (see
-``runtime``), and answered with the route's response model (see
-``schemas``): whole, or as SSE chunks. Each request is a stateless call on
+request is parsed (``request_bodies``) into a ``Call`` (``calls``: the
+library's arguments, and how the route names its fields), admitted (the
+model is open and its gate has room, else 503), run as a stream on the
+model's worker pool (see ``runtime``), and answered with the route's
+response model (see ``schemas``): whole, or as SSE chunks (``sse``) with
+keep-alive comments while no text comes. Each request is a stateless call on
 the served lease: with a batching lease concurrent requests become sequences
 of its one scheduler; an ordinary lease runs one request at a time and
 answers the next one busy.
@@ -16,26 +17,30 @@ annotations, which name request models built per service.
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 
 from .._version import __version__
 from ..llm import errors as llm_errors
-from . import metrics as metrics_mod
+from .calls import Call, chat_call, completion_call, seed_call
 from .errors import ApiError, busy, from_library, install_handlers
 from .guard import Guard
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServiceMetrics
+from .request_bodies import request_models
 from .routes import OPEN_PATHS, MountSpec, Route, metric_labels, service_routes
 from .runtime import ClientGone, Generation, Mount, RequestTimeout
-from .schemas import (ChatAnswer, ChatCompletion, ChatCompletionChunk, ChunkDelta, Envelope, Health, ModelCard,
-                      ModelHealth, ModelList, request_models)
+from .schemas import (ChatAnswer, ChatCompletion, ChatCompletionChunk, Envelope, Health, ModelCard, ModelHealth,
+                      ModelList, TextCompletion, TextCompletionChunk)
+from .sse import DONE, KEEPALIVE, EventStream, event, with_keepalive
 
-__all__ = ["ServiceConfig", "Call", "Service", "build_app"]
+__all__ = ["ServiceConfig", "Service", "build_app"]
 
 log = logging.getLogger("aner_nb.api")
 
@@ -53,40 +58,8 @@ class ServiceConfig:
     retry_after_s: int = 1
     max_tokens: int = 256
     bearer_token: Optional[str] = field(default=None, repr=False)
-
-
-# -- request parsing ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Call:
-    """One request in the library's terms, and the route's names for its fields (for error params)."""
-
-    prompt: Any
-    options: dict[str, Any]  # the library's request options: max_tokens, temperature, seed, stop
-    fields: frozenset[str]  # the route's request fields
-    prompt_field: str  # the one holding the input: "prompt" or "messages"
-
-    def start(self, model: Any) -> Any:
-        """The library stream of this request on ``model`` (renders, tokenizes and submits)."""
-        return model.stream(self.prompt, **self.options)
-
-
-def seed_call(body: BaseModel) -> Call:
-    """The seed route's body as a library call: every field but ``prompt`` is a library option, as named."""
-    b: Any = body
-    return Call(b.prompt, b.model_dump(exclude={"prompt"}), frozenset(type(body).model_fields), "prompt")
-
-
-def openai_call(body: BaseModel, max_tokens_cap: int) -> Call:
-    """An OpenAI body as a library call: ``max_completion_tokens`` aliases ``max_tokens``, greedy by default."""
-    b: Any = body
-    max_tokens = b.max_tokens if b.max_tokens is not None else b.max_completion_tokens
-    options = {
-        "max_tokens": max_tokens_cap if max_tokens is None else max_tokens,
-        "temperature": 0.0 if b.temperature is None else b.temperature,
-        "seed": 0 if b.seed is None else b.seed,
-        "stop": b.stop,
-    }
-    return Call([m.plain() for m in b.messages], options, frozenset(type(body).model_fields), "messages")
+    sse_keepalive_s: float = 15.0  # 0: no keep-alive comments
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the service; none by default
 
 
 # -- admission, running, answers ---------------------------------------------------------------
@@ -98,11 +71,12 @@ class Service:
     shutdown) and scalar settings, never a lease or the config's specs.
     """
 
-    def __init__(self, config: ServiceConfig, mounts: list[Mount]) -> None:
+    def __init__(self, config: ServiceConfig, mounts: list[Mount], metrics: ServiceMetrics) -> None:
         self.mounts = mounts
         self.by_name = {m.name: m for m in mounts}
-        self.metrics = metrics_mod.MountMetrics()
+        self.metrics = metrics
         self.max_tokens = config.max_tokens
+        self.keepalive_s = config.sse_keepalive_s
         self.timeout_ms = config.timeout_ms
         self.retry_after_s = config.retry_after_s
 
@@ -148,16 +122,15 @@ class Service:
             return None
         except llm_errors.LLMError as exc:
             raise self.library_error(mount, exc, call) from None
-        return self.finished(mount, generation)
+        return self.finished(mount, generation, call)
 
-    def finished(self, mount: Mount, generation: Generation) -> Any:
-        """The ended generation's Response, counted; 503 when the server's shutdown cancelled it."""
+    def finished(self, mount: Mount, generation: Generation, call: Call) -> Any:
+        """The ended generation's Response, measured; 503 when the server's shutdown cancelled it."""
         response = generation.response
         if response.finish_reason == "cancelled":  # only shutdown cancels without a timeout or disconnect
             raise ApiError(503, "the server is shutting down; the generation was cancelled",
                            type="unavailable_error", code="shutting_down")
-        mount.metrics.count("prompt_tokens", response.usage.prompt_tokens)
-        mount.metrics.count("completion_tokens", response.usage.completion_tokens)
+        mount.metrics.finished(call.route, response, generation.first_piece_s)
         return response
 
     def timeout_error(self) -> ApiError:
@@ -167,34 +140,36 @@ class Service:
     def library_error(self, mount: Mount, exc: BaseException, call: Call) -> ApiError:
         """The answer for a library error raised by ``call``, counted and logged."""
         error = from_library(exc, fields=call.fields, prompt_field=call.prompt_field,
-                             retry_after_s=self.retry_after_s)
+                             retry_after_s=self.retry_after_s, renames=call.renames)
         if isinstance(exc, llm_errors.BusyError):
             mount.metrics.count("busy_rejections")
         if error.status >= 500 and error.status != 503:
             log.error("request failed: %s", exc, exc_info=exc)
         return error
 
-    async def events(self, mount: Mount, generation: Generation, call: Call, envelope: Envelope,
+    async def events(self, mount: Mount, generation: Generation, call: Call, envelope: Envelope, chunks: Any,
                      include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of a streamed answer (see ``ChatCompletionChunk``); an error ends them early."""
-        yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(role="assistant", content="")))
+        """The SSE events of a streamed answer in ``chunks``' shape (see ``schemas``); an error ends them early."""
+        opening = chunks.opening(envelope)
+        if opening is not None:
+            yield event(opening)
         try:
-            async for piece in generation.pieces():
-                yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(content=piece)))
-            response = self.finished(mount, generation)
+            async for piece in with_keepalive(generation.pieces(), self.keepalive_s):
+                yield KEEPALIVE if piece is None else event(chunks.text(envelope, piece))
+            response = self.finished(mount, generation, call)
         except RequestTimeout:
-            yield _event(self.timeout_error().body())
+            yield event(self.timeout_error().body())
             return
         except ApiError as exc:
-            yield _event(exc.body())
+            yield event(exc.body())
             return
         except llm_errors.LLMError as exc:
-            yield _event(self.library_error(mount, exc, call).body())
+            yield event(self.library_error(mount, exc, call).body())
             return
-        yield _event(ChatCompletionChunk.piece(envelope, ChunkDelta(), response.finish_reason))
+        yield event(chunks.finish(envelope, response.finish_reason))
         if include_usage:
-            yield _event(ChatCompletionChunk.usage_of(envelope, response))
-        yield "data: [DONE]\n\n"
+            yield event(chunks.usage_of(envelope, response))
+        yield DONE
 
     # -- the GET endpoints ---------------------------------------------------------------------
     async def list_models(self) -> ModelList:
@@ -213,8 +188,8 @@ class Service:
         response.status_code = 200 if ok else 503
         return Health(status="ok" if ok else "unavailable", models=models)
 
-    async def metrics_text(self) -> PlainTextResponse:
-        return PlainTextResponse(metrics_mod.render(self.metrics, self.mounts), media_type=metrics_mod.CONTENT_TYPE)
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 # -- the POST endpoints (their body types are built per service) -------------------------------
@@ -222,7 +197,7 @@ def seed_endpoint(service: Service, mount: Mount, body_model: type) -> Callable[
     """``POST <path>`` of one served model: one prompt, answered whole."""
 
     async def chat(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
-        call = seed_call(body)
+        call = seed_call(body, mount.path)
         generation = await service.admit(mount, call)
         response = await service.complete(mount, generation, request, call)
         if response is None:
@@ -232,32 +207,49 @@ def seed_endpoint(service: Service, mount: Mount, body_model: type) -> Callable[
     return chat
 
 
-def completions_endpoint(service: Service, body_model: type) -> Callable[..., Any]:
-    """``POST /v1/chat/completions``: answered whole, or streamed as SSE chunks."""
+@dataclass(frozen=True)
+class OpenAIRoute:
+    """How one OpenAI route parses its body and shapes its answer."""
 
-    async def chat_completions(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
+    make_call: Callable[[Any, int], Call]  # body, the service's max_tokens -> Call (400 for what it refuses)
+    answer: Any  # the whole answer's model: ChatCompletion or TextCompletion (``of(envelope, response)``)
+    chunks: Any  # the streamed chunks' model: ChatCompletionChunk or TextCompletionChunk
+    id_prefix: str  # of the answer's id: chatcmpl-..., cmpl-...
+
+
+CHAT_COMPLETIONS = OpenAIRoute(chat_call, ChatCompletion, ChatCompletionChunk, "chatcmpl")
+COMPLETIONS = OpenAIRoute(completion_call, TextCompletion, TextCompletionChunk, "cmpl")
+
+
+def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> Callable[..., Any]:
+    """``POST /v1/chat/completions`` or ``/v1/completions``: answered whole, or streamed as SSE chunks."""
+
+    async def openai_completion(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
         mount = service.mount_for(body.model)
-        call = openai_call(body, service.max_tokens)
+        call = route.make_call(body, service.max_tokens)
         generation = await service.admit(mount, call)
-        envelope = Envelope.new(mount.name, mount.model.fingerprint)
+        envelope = Envelope.new(route.id_prefix, mount.name, mount.model.fingerprint, call.seed)
         if body.stream:
-            include_usage = body.stream_options is None or body.stream_options.include_usage
-            return _EventStream(service.events(mount, generation, call, envelope, include_usage), generation)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = service.events(mount, generation, call, envelope, route.chunks, include_usage)
+            return EventStream(events, generation)
         response = await service.complete(mount, generation, request, call)
         if response is None:
             return Response(status_code=499)
-        return ChatCompletion.of(envelope, response)
+        return route.answer.of(envelope, response)
 
-    return chat_completions
+    return openai_completion
 
 
 # -- the application ---------------------------------------------------------------------------
 def build_app(config: ServiceConfig) -> FastAPI:
     """A new ASGI application serving ``config``'s leases (each build has its own pools and counters)."""
-    mounts = [Mount(path=s.path, model=s.model, name=s.name, max_concurrent=config.max_concurrent)
-              for s in config.mounts]
+    metrics = ServiceMetrics()
+    mounts = [Mount(path=s.path, model=s.model, name=s.name, max_concurrent=config.max_concurrent,
+                    metrics=metrics.model(s.name)) for s in config.mounts]
+    metrics.watch(lambda: mounts)
     routes = service_routes((m.path, m.name) for m in mounts)
-    service = Service(config, mounts)
+    service = Service(config, mounts, metrics)
     app = FastAPI(title=config.title, version=__version__, docs_url=None, redoc_url=None,
                   description="Local GGUF models over HTTP (aner_nb): the seed /chat route and OpenAI-compatible "
                   "routes.", lifespan=_lifespan(mounts))
@@ -269,16 +261,21 @@ def build_app(config: ServiceConfig) -> FastAPI:
             _add_route(app, route, endpoints[route.name])
     app.openapi = _openapi(app, bearer=config.bearer_token is not None)  # type: ignore[method-assign]
     app.add_middleware(Guard, max_body_bytes=config.max_body_bytes, bearer_token=config.bearer_token,
-                       open_paths=OPEN_PATHS, routes=metric_labels(routes), record=service.metrics.request)
+                       open_paths=OPEN_PATHS, routes=metric_labels(routes), record=metrics.request)
+    if config.cors_origins:  # added last, so outermost: preflights are answered before the token check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"], expose_headers=["retry-after"],
+                           max_age=600)
     return app
 
 
 def _endpoints(service: Service, bodies: Any) -> dict[str, Callable[..., Any]]:
     """Every route's endpoint by route name (see ``routes``)."""
-    seeds = {f"chat:{m.name}": seed_endpoint(service, m, bodies.chat) for m in service.mounts}
+    seeds = {f"chat:{m.name}": seed_endpoint(service, m, bodies.seed) for m in service.mounts}
     return {
         **seeds,
-        "chat_completions": completions_endpoint(service, bodies.completion),
+        "chat_completions": openai_endpoint(service, bodies.chat, CHAT_COMPLETIONS),
+        "completions": openai_endpoint(service, bodies.completion, COMPLETIONS),
         "list_models": service.list_models,
         "get_model": service.get_model,
         "health": service.health,
@@ -300,28 +297,6 @@ def _lifespan(mounts: list[Mount]) -> Callable[[FastAPI], Any]:
             await asyncio.to_thread(mount.shutdown)
 
     return lifespan
-
-
-class _EventStream(StreamingResponse):
-    """SSE answer whose generation is cancelled however the response ends (even before it starts)."""
-
-    def __init__(self, events: AsyncIterator[str], generation: Generation) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._generation = generation
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._generation.abort()  # a no-op once the stream ended normally
-
-
-def _event(payload: Any) -> str:
-    """One SSE ``data:`` event: a response model (only the fields it was given) or a plain dict."""
-    if isinstance(payload, BaseModel):
-        payload = payload.model_dump(mode="json", exclude_unset=True)
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
@@ -352,7 +327,7 @@ def _openapi(app: FastAPI, *, bearer: bool) -> Callable[[], dict[str, Any]]:
         if app.openapi_schema is None:
             schema = generate()
             components = schema.setdefault("components", {})
-            _add_models(components.setdefault("schemas", {}), ChatCompletionChunk)
+            _add_models(components.setdefault("schemas", {}), ChatCompletionChunk, TextCompletionChunk)
             if bearer:  # enforced by the Guard
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
                 for path, operations in schema.get("paths", {}).items():
