@@ -1,9 +1,10 @@
 """Shared pytest fixtures.
 
 ``fixture_models`` writes every tiny GGUF fixture once per session (see
-``tests/fixtures/models.py``); it maps stable keys (``llama``, ``qwen2``,
-``gemma3``, ``no_template``, ``lora``, ``split``, ``projector``,
-``not_gguf``, ``truncated``, ...) to paths.
+``tests/fixtures/models.py``); it maps stable keys (``llama``, ``mistral``,
+``qwen2``, ``qwen3``, ``gemma2``, ``gemma3``, ``phi3``, ``llama_q8_0``,
+``no_template``, ``lora``, ``split``, ``projector``, ``not_gguf``,
+``truncated``, ...) to paths.
 """
 
 from __future__ import annotations
