@@ -27,13 +27,18 @@ from aner_nb.llm.artifact import (
 from aner_nb.llm.errors import InvalidArtifactError, LLMError, UnsupportedModelError
 from fixtures.models import (
     CHATML,
+    FAMILIES,
+    FAMILY_TEMPLATES,
+    MISTRAL_INSTRUCT,
     SPECIAL_TOKENS,
     config_for,
     tokenizer_vocab,
     write_tiny_model,
+    write_unsupported_arch_model,
 )
 
-LOADABLE = ("llama", "qwen2", "gemma3")
+LOADABLE = tuple(FAMILIES)  # llama, mistral (architecture llama), qwen2, qwen3, gemma2, gemma3, phi3
+ADMITTED = "llama, qwen2, qwen3, gemma2, gemma3, phi3"
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +55,7 @@ def test_facts_match_fixture_hyperparameters(fixture_models, key):
     cfg = config_for(key)
     facts = inspect_model(path)
     assert isinstance(facts, ModelFacts)
-    assert facts.architecture == key
+    assert facts.architecture == cfg.arch
     assert facts.name == f"tiny-{key}"
     assert facts.path == os.fspath(path)
     assert facts.file_size == path.stat().st_size
@@ -62,9 +67,10 @@ def test_facts_match_fixture_hyperparameters(fixture_models, key):
     assert facts.kv_heads < facts.heads  # GQA
     assert facts.embedding_length == cfg.n_embd
     assert facts.head_dim_k == facts.head_dim_v == cfg.head_dim
-    assert facts.sliding_window == cfg.sliding_window
-    assert facts.vocab_size == len(tokenizer_vocab()[0])
-    assert facts.chat_template == CHATML
+    # llama.cpp windows only gemma's layers (test_parity.py checks it against llama.cpp itself)
+    assert facts.sliding_window == (cfg.sliding_window if cfg.arch in ("gemma2", "gemma3") else 0)
+    assert facts.vocab_size == len(tokenizer_vocab(cfg.extra_tokens)[0])
+    assert facts.chat_template == FAMILY_TEMPLATES.get(key, CHATML)
     assert facts.has_chat_template
     assert facts.bos_token == "<|endoftext|>"
     assert facts.eos_token == "<|im_end|>"
@@ -73,13 +79,45 @@ def test_facts_match_fixture_hyperparameters(fixture_models, key):
 def test_head_dims_default_to_embedding_over_heads_and_key_length_is_read(fixture_models):
     llama = inspect_model(fixture_models["llama"])  # no key_length metadata
     assert llama.head_dim_k == llama.embedding_length // llama.heads
-    gemma = inspect_model(fixture_models["gemma3"])  # key_length 32 != 64 / 4
-    assert gemma.head_dim_k == 32 != gemma.embedding_length // gemma.heads
-    assert gemma.sliding_window == 32
+    for key in ("gemma2", "gemma3", "qwen3"):  # key_length 32 != 64 / 4
+        facts = inspect_model(fixture_models[key])
+        assert facts.head_dim_k == facts.head_dim_v == 32 != facts.embedding_length // facts.heads
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "window"),
+    [
+        ("gemma3", {}, 32),
+        ("gemma3", {"sliding_window": 0}, 0),  # key absent: no window
+        ("gemma2", {"sliding_window": 0}, 4096),  # key absent: llama.cpp's Gemma 2 default
+        ("phi3", {}, 0),  # declared, but llama.cpp disables Phi-3's window
+        ("llama", {"metadata": {"llama.attention.sliding_window": 64}}, 0),  # llama.cpp ignores it
+    ],
+)
+def test_sliding_window_is_the_one_llama_cpp_applies(tmp_path, family, config, window):
+    assert inspect_model(write_tiny_model(tmp_path / "m.gguf", family, **config)).sliding_window == window
+
+
+def test_mistral_file_is_admitted_as_llama(fixture_models):
+    facts = inspect_model(fixture_models["mistral"])
+    assert (facts.architecture, facts.name, facts.heads, facts.kv_heads) == ("llama", "tiny-mistral", 4, 1)
+    assert facts.chat_template == MISTRAL_INSTRUCT
+
+
+def test_family_layouts_differ_where_llama_cpp_expects(fixture_models):
+    names = {key: set(inspect_model(fixture_models[key]).tensor_shapes()) for key in LOADABLE}
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= names["qwen2"]
+    assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= names["qwen3"] & names["gemma3"]
+    assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= names["gemma2"] & names["gemma3"]
+    assert "output.weight" not in names["gemma2"]  # tied to token_embd, as llama.cpp loads gemma2
+    phi3 = inspect_model(fixture_models["phi3"]).tensor_shapes()
+    assert "blk.0.attn_q.weight" not in phi3 and "blk.0.ffn_gate.weight" not in phi3
+    assert phi3["blk.0.attn_qkv.weight"] == (64, 64 + 2 * 32)  # q, k and v rows fused
+    assert phi3["blk.0.ffn_up.weight"] == (64, 2 * 128)  # gate and up fused
 
 
 def test_tensor_bytes_and_metadata_agree_with_gguf_reader(fixture_models):
-    for key in ("llama", "qwen2", "gemma3", "no_template"):
+    for key in (*LOADABLE, "no_template"):
         path = fixture_models[key]
         reader = GGUFReader(path)
         facts = inspect_model(path)
@@ -89,7 +127,8 @@ def test_tensor_bytes_and_metadata_agree_with_gguf_reader(fixture_models):
         assert facts.context_length == int(field.contents())
         assert facts.vocab_size == len(reader.get_field("tokenizer.ggml.tokens").data)
         assert dict(facts.tensor_types) == {t.name: t.tensor_type.name for t in reader.tensors}
-        assert facts.output_type == dict(facts.tensor_types)["output.weight"]
+        types = dict(facts.tensor_types)
+        assert facts.output_type == types.get("output.weight", types["token_embd.weight"])
 
 
 def test_model_without_template(fixture_models):
@@ -139,7 +178,17 @@ def test_big_endian_gguf_is_read(tmp_path):
 
 
 def test_supported_architectures_allowlist():
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "gemma3")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+# Architectures llama.cpp loads but this toolkit has no fixture or parity test for.
+@pytest.mark.parametrize("arch", ["mistral3", "qwen2moe", "qwen3moe", "gemma", "gemma3n", "phi2", "llama4", "mamba"])
+def test_other_architectures_are_refused_naming_the_admitted_ones(tmp_path, arch):
+    path = write_unsupported_arch_model(tmp_path / f"{arch}.gguf", arch)
+    with pytest.raises(UnsupportedModelError) as info:
+        inspect_model(path)
+    assert f"architecture {arch!r} is not supported" in str(info.value)
+    assert str(info.value).endswith("supported architectures: " + ADMITTED)
 
 
 # --------------------------------------------------------------------- rejections
@@ -157,7 +206,7 @@ def test_supported_architectures_allowlist():
         ("split_metadata", UnsupportedModelError, ["split.count = 2", "llama-gguf-split --merge"]),
         ("projector", UnsupportedModelError, ["projector", "text models"]),
         ("lora", UnsupportedModelError, ["is a LoRA adapter", "with_adapter"]),
-        ("unsupported_arch", UnsupportedModelError, ["'mamba'", "llama, qwen2, gemma3"]),
+        ("unsupported_arch", UnsupportedModelError, ["'mamba'", ADMITTED]),
     ],
 )
 def test_rejections_raise_typed_errors_naming_the_problem(fixture_models, key, error, needles):
@@ -369,8 +418,8 @@ def test_fixture_loads_and_generates_in_llama_cpp(fixture_models, key):
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=64, verbose=False, seed=0)
     try:
         assert llm.n_vocab() == facts.vocab_size
-        assert llm.metadata[f"{key}.context_length"] == str(facts.context_length)
-        assert llm.metadata.get("tokenizer.chat_template") == CHATML
+        assert llm.metadata[f"{facts.architecture}.context_length"] == str(facts.context_length)
+        assert llm.metadata.get("tokenizer.chat_template") == FAMILY_TEMPLATES.get(key, CHATML)
         tokens, _, _ = tokenizer_vocab()
         special_ids = [tokens.index(t) for t in SPECIAL_TOKENS]
 

@@ -10,14 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aner_nb.llm.artifact import SUPPORTED_ARCHITECTURES
 from aner_nb.llm.chat import (
     BUILTIN_TEMPLATES,
+    FAMILY_TEMPLATES,
     ChatTemplate,
     format_prompt,
     resolve_template,
     validate_messages,
 )
 from aner_nb.llm.errors import ChatTemplateError, InvalidRequestError, LLMError
+from fixtures.models import MISTRAL_INSTRUCT, PHI3_INSTRUCT
 
 USER = [{"role": "user", "content": "Hello"}]
 
@@ -92,9 +95,16 @@ OFFICIAL_LLAMA3 = (
 # --- Built-ins ----------------------------------------------------------------
 
 def test_builtin_names():
-    assert {"chatml", "gemma", "llama3"} <= set(BUILTIN_TEMPLATES)
+    assert {"chatml", "gemma", "llama3", "mistral", "phi3"} <= set(BUILTIN_TEMPLATES)
     with pytest.raises(TypeError):
         BUILTIN_TEMPLATES["x"] = "{{ 1 }}"  # read-only mapping
+
+
+def test_every_admitted_architecture_names_a_builtin():
+    assert set(FAMILY_TEMPLATES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(FAMILY_TEMPLATES.values()) <= set(BUILTIN_TEMPLATES)
+    with pytest.raises(TypeError):
+        FAMILY_TEMPLATES["x"] = "chatml"  # read-only mapping
 
 
 def test_chatml_exact():
@@ -155,6 +165,7 @@ def test_gemma_trims_turn_content_like_official_template():
     )
 
 
+@pytest.mark.parametrize("name", ["gemma", "mistral"])  # formats without a system turn
 @pytest.mark.parametrize(
     "msgs, fragment",
     [
@@ -164,8 +175,8 @@ def test_gemma_trims_turn_content_like_official_template():
         ([{"role": "system", "content": "s"}], "user message after the system"),
     ],
 )
-def test_gemma_rejects_invalid_conversations(msgs, fragment):
-    t = resolve_template("gemma", None)
+def test_gemma_and_mistral_reject_invalid_conversations(name, msgs, fragment):
+    t = resolve_template(name, None)
     with pytest.raises(ChatTemplateError, match=fragment):
         t.render(msgs)
 
@@ -181,6 +192,39 @@ def test_llama3_exact():
     )
 
 
+TWO_TURNS = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another?"},
+]
+
+
+def test_mistral_two_turns_exact():
+    t = resolve_template("mistral", None, bos_token="<s>", eos_token="</s>")
+    expected = "<s>[INST] Name a colour. [/INST]Blue.</s>[INST] Another? [/INST]"
+    assert t.render(TWO_TURNS) == expected
+    assert t.render(TWO_TURNS, add_generation_prompt=False) == expected  # the prompt ends with [/INST] anyway
+    # a leading system message opens the first user turn, as in Mistral's v1 format
+    assert t.render([{"role": "system", "content": "Be brief."}, *TWO_TURNS]) == (
+        "<s>[INST] Be brief.\n\nName a colour. [/INST]Blue.</s>[INST] Another? [/INST]"
+    )
+    assert format_prompt(resolve_template("mistral", None), "Hi") == "<s>[INST] Hi [/INST]"  # BOS fallback
+
+
+def test_phi3_two_turns_exact():
+    t = resolve_template("phi3", None, bos_token="<s>", eos_token="<|endoftext|>")
+    msgs = [{"role": "system", "content": "Be brief."}, *TWO_TURNS]
+    expected = (
+        "<|system|>\nBe brief.<|end|>\n"
+        "<|user|>\nName a colour.<|end|>\n"
+        "<|assistant|>\nBlue.<|end|>\n"
+        "<|user|>\nAnother?<|end|>\n"
+    )
+    assert t.render(msgs) == expected + "<|assistant|>\n"
+    assert t.render(msgs, add_generation_prompt=False) == expected + "<|endoftext|>"
+    assert format_prompt(t, "Hi") == "<|user|>\nHi<|end|>\n<|assistant|>\n"
+
+
 # Compiled once: hypothesis examples below reuse them.
 CHATML = resolve_template("chatml", None)
 PARITY = {
@@ -191,6 +235,15 @@ PARITY = {
     "llama3": (
         resolve_template("llama3", None, bos_token="<|begin_of_text|>"),
         resolve_template(OFFICIAL_LLAMA3, None, bos_token="<|begin_of_text|>"),
+    ),
+    # the published templates the mistral and phi3 fixtures embed (tests/fixtures/models.py)
+    "mistral": (
+        resolve_template("mistral", None, bos_token="<s>", eos_token="</s>"),
+        resolve_template(MISTRAL_INSTRUCT, None, bos_token="<s>", eos_token="</s>"),
+    ),
+    "phi3": (
+        resolve_template("phi3", None, bos_token="<s>", eos_token="<|endoftext|>"),
+        resolve_template(PHI3_INSTRUCT, None, bos_token="<s>", eos_token="<|endoftext|>"),
     ),
 }
 _text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -212,10 +265,13 @@ def test_gemma_builtin_matches_official_template(msgs, gen):
     assert ours.render(msgs, add_generation_prompt=gen) == official.render(msgs, add_generation_prompt=gen)
 
 
+@pytest.mark.parametrize("name", ["llama3", "phi3", "mistral"])
 @settings(max_examples=100, deadline=None)
 @given(gemma_conversations(), st.booleans())
-def test_llama3_builtin_matches_official_template(msgs, gen):
-    ours, official = PARITY["llama3"]
+def test_builtin_matches_official_template(name, msgs, gen):
+    if name == "mistral":
+        msgs = [m for m in msgs if m["role"] != "system"]  # the official template refuses one
+    ours, official = PARITY[name]
     assert ours.render(msgs, add_generation_prompt=gen) == official.render(msgs, add_generation_prompt=gen)
 
 
@@ -271,6 +327,16 @@ def test_missing_template_error_names_model_and_builtins():
     assert "chatml" in msg and "gemma" in msg and "Jinja" in msg
     with pytest.raises(ChatTemplateError, match="no embedded chat template"):
         resolve_template(None, "   ")
+
+
+@pytest.mark.parametrize("architecture", SUPPORTED_ARCHITECTURES)
+def test_missing_template_error_names_the_architectures_builtin(architecture):
+    with pytest.raises(ChatTemplateError) as info:
+        resolve_template(None, None, model_name="m", architecture=architecture)
+    assert f"({architecture} models use {FAMILY_TEMPLATES[architecture]!r})" in str(info.value)
+    with pytest.raises(ChatTemplateError) as info:
+        resolve_template(None, None, model_name="m", architecture="mamba")
+    assert "models use" not in str(info.value)
 
 
 @pytest.mark.parametrize("name", ["chatmlx", "", "vicuna"])

@@ -49,7 +49,8 @@ def ip(shell):
     ext = magics_pkg.extension_for(shell)
     if ext is not None:
         ext.handles.close_all()
-        for trait in ("stream_interval", "max_tokens", "display", "release_failed_cells"):
+        for trait in ("stream_interval", "max_tokens", "display", "release_failed_cells", "on_interrupt",
+                      "default_to_latest", "default_handle", "format"):
             ext.magics.traits()[trait].set(ext.magics, ext.magics.traits()[trait].default_value)
     shell.run_cell("%reset -f")
     for name in ("last_value", "last_traceback", "last_type", "last_exc"):
@@ -348,6 +349,7 @@ def test_bench_pairs_a_lease_with_its_prefix_cached_optimizer(ip, llama_path):
 
 def test_bench_usage_errors(ip, llama_path):
     load(ip, llama_path)
+    ip.run_line_magic("config", "LLMMagics.default_to_latest = False")  # a NAME is required: its errors
     run(ip, "%llm optimize base --as fast")
     ip.user_ns["x"] = 3
     ip.user_ns["blank"] = "  "  # {var} in --prompt is expanded: this prompt is empty
@@ -514,6 +516,7 @@ CELL_ERRORS = [
 @pytest.fixture
 def err_ip(ip, llama_path):
     load(ip, llama_path)
+    ip.run_line_magic("config", "LLMMagics.default_to_latest = False")  # so a missing NAME is an error
     ip.user_ns["x"] = 5
     return ip
 
@@ -644,6 +647,7 @@ def test_terminal_view_prints_pieces_then_a_timings_line(ip, llama_path):
 
 def test_ctrl_c_in_the_display_loop_cancels_and_keeps_the_handle(ip, llama_path, monkeypatch):
     base = load(ip, llama_path)
+    ip.run_line_magic("config", "LLMMagics.on_interrupt = 'keep'")  # the cell ends normally (default: raise)
     calls = {"n": 0}
     real_add = display_mod.UpdatingView.add
 
@@ -667,6 +671,7 @@ def test_ctrl_c_in_the_display_loop_cancels_and_keeps_the_handle(ip, llama_path,
 
 def test_ctrl_c_inside_the_engine_step_cancels_and_keeps_the_handle(ip, llama_path, monkeypatch):
     base = load(ip, llama_path)
+    ip.run_line_magic("config", "LLMMagics.on_interrupt = 'keep'")  # the cell ends normally (default: raise)
     real_decode = _engine.NativeContext.decode
     calls = {"n": 0}
 
@@ -691,6 +696,7 @@ def test_ctrl_c_inside_the_engine_step_cancels_and_keeps_the_handle(ip, llama_pa
 
 def test_ctrl_c_in_a_chat_turn_keeps_the_session(ip, llama_path, monkeypatch):
     load(ip, llama_path)
+    ip.run_line_magic("config", "LLMMagics.on_interrupt = 'keep'")  # the cell ends normally (default: raise)
     run(ip, "%%chat base --max-tokens 3 --quiet\nfirst")
     real_decode = _engine.NativeContext.decode
     calls = {"n": 0}

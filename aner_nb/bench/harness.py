@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
+from ..llm.progress import progress_bar
 from .evidence import environment, exclusive, lease_settings, load_average
 
 __all__ = ["Case", "Side", "BenchResult", "lease_side", "run_sides", "manifest", "METRICS"]
@@ -146,18 +147,26 @@ def run_sides(
     warmup: int = 1,
     baseline: str | None = None,
     manifest_: Mapping[str, Any] | None = None,
+    progress: bool | None = False,
 ) -> BenchResult:
-    """Run every case on every side ``warmup + rounds`` times (ABBA order) and collect the rows."""
+    """Run every case on every side ``warmup + rounds`` times (ABBA order) and collect the rows.
+
+    ``progress`` shows a ``tqdm.auto`` bar over the requests, warm-up included (``None``:
+    when interactive, as ``llm.load``; default False, so scripts and benchmarks print
+    nothing extra; ``%llm bench`` passes None).
+    """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds}, {warmup}")
     rows = []
-    with exclusive("bench.run_sides"):
+    total = (warmup + rounds) * len(cases) * len(sides)
+    with exclusive("bench.run_sides"), progress_bar(progress, total=total, desc="bench", unit="req") as bar:
         load_start = load_average()
         for r in range(warmup + rounds):
             order = list(sides) if r % 2 == 0 else list(reversed(sides))
             for case in cases:
                 for side in order:
                     row = dict(side.run(case))
+                    bar.update(1)
                     if r >= warmup:
                         rows.append({"side": side.name, "round": r - warmup, "case": case.name, **row})
         facts = {"rounds": rounds, "warmup": warmup, "order": "ABBA", "load_average_start": load_start,

@@ -15,7 +15,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -226,8 +226,16 @@ class NativeModel(_Owner):
     """A loaded ``llama_model`` plus its vocabulary; contexts are freed before it."""
 
     def __init__(
-        self, path: str, *, n_gpu_layers: int = 0, use_mmap: bool = True, extra_buffers: bool = True
+        self,
+        path: str,
+        *,
+        n_gpu_layers: int = 0,
+        use_mmap: bool = True,
+        extra_buffers: bool = True,
+        progress: "Callable[[float], bool] | None" = None,
     ) -> None:
+        """Load the weights; ``progress(fraction)`` is called on this thread as they load
+        (0.0..1.0) and aborts the load (an EngineError) by returning False."""
         lib = _llama()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
@@ -236,7 +244,12 @@ class NativeModel(_Owner):
         params.use_extra_bufts = bool(extra_buffers)
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         params.check_tensors = False
+        callback = None
+        if progress is not None:  # the ctypes callback must outlive the call that uses it
+            callback = lib.llama_progress_callback(lambda value, _user_data: bool(progress(float(value))))
+            params.progress_callback = callback
         ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
+        del callback
         if not ptr:
             raise EngineError(f"llama.cpp failed to load {os.path.basename(path)!r} (see the aner_nb.engine log)")
         self._lib = lib

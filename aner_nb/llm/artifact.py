@@ -42,7 +42,7 @@ import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
@@ -59,7 +59,20 @@ __all__ = [
     "sha256_file",
 ]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# The admitted architectures (each has a fixture and a greedy parity test) and the sliding window
+# llama.cpp's loader gives each (src/models/<arch>.cpp): {arch}.attention.sliding_window, with this
+# default when the key is absent; None where every layer attends to the whole context whatever the
+# file declares (llama, qwen2 and qwen3 ignore the key; llama.cpp disables Phi-3's window).
+# "llama" covers Llama 2/3, Mistral and SmolLM: llama.cpp writes them all as llama.
+_SLIDING_WINDOW_DEFAULTS: Mapping[str, int | None] = {
+    "llama": None,
+    "qwen2": None,
+    "qwen3": None,
+    "gemma2": 4096,  # alternating layers
+    "gemma3": 0,     # no window unless the file declares one
+    "phi3": None,
+}
+SUPPORTED_ARCHITECTURES = tuple(_SLIDING_WINDOW_DEFAULTS)
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 
 GGUF_MAGIC = b"GGUF"
@@ -113,7 +126,7 @@ class ModelFacts:
     embedding_length: int
     head_dim_k: int          # {arch}.attention.key_length, else embedding_length // heads
     head_dim_v: int          # {arch}.attention.value_length, else embedding_length // heads
-    sliding_window: int      # {arch}.attention.sliding_window, 0 when absent
+    sliding_window: int      # the window llama.cpp applies to its sliding-window layers; 0: none
     vocab_size: int
     chat_template: str | None
     bos_token: str | None    # token texts, for rendering templates
@@ -524,6 +537,11 @@ def _facts(
     head_dim_k = _int(meta, f"{a}.attention.key_length", path, default=n_embd // heads)
     head_dim_v = _int(meta, f"{a}.attention.value_length", path, default=n_embd // heads)
     context_length = _int(meta, f"{a}.context_length", path)
+    window_default = _SLIDING_WINDOW_DEFAULTS[arch]
+    sliding_window = (
+        0 if window_default is None
+        else _int(meta, f"{a}.attention.sliding_window", path, default=window_default)
+    )
 
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, _StringArray):
@@ -554,7 +572,7 @@ def _facts(
         embedding_length=n_embd,
         head_dim_k=head_dim_k,
         head_dim_v=head_dim_v,
-        sliding_window=_int(meta, f"{a}.attention.sliding_window", path, default=0),
+        sliding_window=sliding_window,
         vocab_size=vocab_size,
         chat_template=template if template else None,
         bos_token=token_text("tokenizer.ggml.bos_token_id"),
@@ -644,31 +662,29 @@ def _lora_pairs(path: str, tensors: TensorShapes) -> tuple[tuple[str, tuple[int,
 def sha256_file(
     path: os.PathLike[str] | str,
     *,
-    progress: bool | None = None,
+    progress: Any = None,
     chunk_size: int = 1024 * 1024,
 ) -> str:
     """Hex SHA-256 of a file, streamed in ``chunk_size`` pieces.
 
-    ``progress``: ``True`` always shows a ``tqdm`` bar, ``False`` never,
-    ``None`` (default) lets tqdm decide (shown on a terminal only).
+    ``progress``: ``True`` always shows a ``tqdm.auto`` bar (a widget in Jupyter,
+    text on a terminal), ``False`` never, ``None`` (default) only when interactive
+    (see :mod:`aner_nb.llm.progress`); or an open bar (anything with
+    ``update(n)``) that the caller owns and closes, as ``load()`` passes for
+    the pass that runs on a worker thread.
     """
+    from .progress import progress_bar
+
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     p, st = _regular_file(path)
     digest = hashlib.sha256()
-    bar = None
-    if progress is not False:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=st.st_size,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=f"sha256 {os.path.basename(p)}",
-            disable=None if progress is None else False,
-            leave=False,
-        )
+    if progress is None or isinstance(progress, bool):
+        bar = progress_bar(progress, total=st.st_size, desc=f"sha256 {os.path.basename(p)}",
+                           unit="B", unit_scale=True, unit_divisor=1024)
+        owned = True
+    else:
+        bar, owned = progress, False
     # read() rather than mmap: a file truncated while it is hashed must raise, not SIGBUS the kernel.
     buf = bytearray(chunk_size)
     view = memoryview(buf)
@@ -679,12 +695,11 @@ def sha256_file(
                 if not n:
                     break
                 digest.update(view[:n])
-                if bar is not None:
-                    bar.update(n)
+                bar.update(n)
     except OSError as exc:
         raise InvalidArtifactError(f"cannot read model file {p}: {exc.strerror or exc}") from None
     finally:
         view.release()
-        if bar is not None:
+        if owned:
             bar.close()
     return digest.hexdigest()

@@ -20,13 +20,21 @@ __all__ = ["LoadSummary", "SharedWeights"]
 
 @dataclass(frozen=True)
 class LoadSummary:
-    """What loading cost: both SHA-256 passes and the native load, in nanoseconds."""
+    """What loading cost, phase by phase, in nanoseconds (``-1``: the phase did not run).
+
+    The first SHA-256 pass runs alongside the native load, so ``total_duration``
+    is less than the sum of the phases. The warm-up is one short decode on a
+    throwaway context: it pages the weights in and initialises the backend, so
+    the first request's timings describe the request (``load(warmup=False)``
+    skips it).
+    """
 
     fingerprint: str
     file_bytes: int
     hash_duration: int  # first pass, overlapped with the native load
     load_duration: int  # llama_model_load_from_file
     verify_duration: int  # second pass, after the weights are resident
+    warmup_duration: int  # one 1-token decode on a context of the load's settings, then freed; -1 if skipped
     total_duration: int
     cpu_extra_buffers: str = "off"  # "on" when quantized weights went to AMX/repack buffer types
     cpu_extra_buffers_reason: str = ""  # the setting, or the CPU probe's verdict

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .parser import interpolate
+from .prompt import interpolate, last_error
 from .tables import bench_outputs, bench_table, handle_info, handle_table, is_handle, kv_table
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "bench_outputs",
     "is_handle",
     "interpolate",
+    "last_error",
 ]
 
 _EXTENSIONS: dict[int, Any] = {}  # id(shell) -> Extension

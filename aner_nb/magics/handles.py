@@ -14,6 +14,11 @@ before:
 - handles held only by a failed cell's traceback frames (``sys.last_*``) are
   closed, so an exception does not pin native memory until the next error.
 
+It also remembers the order in which names were given leases (loaded,
+derived, or adopted from the Python API), so :meth:`HandleRegistry.latest`
+can name the most recent one still open: the magics' default handle when
+none is configured.
+
 Closing a lease makes it reject new requests and release its contexts; the
 weights are freed when no lease or session uses them any more.
 """
@@ -54,6 +59,7 @@ class HandleRegistry:
         # %llm serve: handle name -> (lease, running aner_nb.api.Server). Strong on purpose: a served
         # lease stays alive until %llm stop, closing it, unload or exit stops its server.
         self._servers: dict[str, tuple[Any, Any]] = {}
+        self._recent: list[str] = []  # names given a lease (not a session), oldest first
 
     # -- tracking ---------------------------------------------------------------
     @property
@@ -103,6 +109,21 @@ class HandleRegistry:
         """Names of the handles bound in the namespace."""
         return [n for n, v in list(self.ns.items()) if not is_output_cache_name(n) and is_handle(v)]
 
+    def _touch(self, name: str, handle: Any) -> None:
+        if handle_kind(handle) != "session":
+            if name in self._recent:
+                self._recent.remove(name)
+            self._recent.append(name)
+
+    def latest(self) -> str | None:
+        """The name most recently given a lease (loaded, derived or adopted) that still holds an open one."""
+        ns = self.ns
+        for name in reversed(self._recent):
+            value = ns.get(name)
+            if is_handle(value) and handle_kind(value) != "session" and not value.closed:
+                return name
+        return None
+
     def table(self) -> Any:
         self.sync()
         parents = {}
@@ -121,6 +142,7 @@ class HandleRegistry:
         self.track(handle, parent=parent)
         self.ns[name] = handle
         self._entries[id(handle)].names.add(name)
+        self._touch(name, handle)
 
     def dependents(self, handle: Any) -> list[Any]:
         """Tracked sessions opened on ``handle`` by the magics."""
@@ -177,6 +199,8 @@ class HandleRegistry:
             if is_output_cache_name(name) or not is_handle(value):
                 continue
             if id(value) not in bound:
+                if id(value) not in self._entries or self._entries[id(value)].ref() is not value:
+                    self._touch(name, value)  # made with the Python API: adopted as the latest
                 self.track(value)
             bound.setdefault(id(value), []).append(name)
         dropped = []

@@ -6,28 +6,36 @@ functions of ``tables``), show the result (``display``). As with IPython's
 ``%llm`` subcommand is one ``_llm_NAME`` method with ``@subcommand(...)``
 (usage, description, Python equivalent) and its ``@argument`` options; the
 method order is the order ``%llm help`` lists them. Handle lifetime is the
-registry's job (``handles``); ``Extension`` wires everything into one shell
-and takes it out again symmetrically.
+registry's job (``handles``), cell prompts are filled in by ``prompt``, tab
+completion reads the grammars (``completion``); ``Extension`` wires
+everything into one shell and takes it out again symmetrically.
+
+A cell or ``%llm info`` / ``kv`` / ``bench`` without a NAME asks the default
+handle (``LLMMagics.default_handle``, set by ``%llm use``; with
+``default_to_latest``, else the most recently loaded or derived one) and
+says which handle that was. Ctrl-C in a request cell cancels it and keeps
+the partial Response; ``on_interrupt`` decides whether the cell then fails
+with KeyboardInterrupt (so a notebook's queued cells stop) or ends normally.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import re
 import sys
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from traitlets import Bool, Enum, Float, Int
+from traitlets import Bool, Enum, Float, Int, Unicode
 
 from ..llm import KV_CACHE_TYPES, load
 from ..llm.errors import EngineError, LLMError
 from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION
+from ..widgets.answer import FORMATS
+from .cells import request_kwargs, request_options, stream_into
+from .completion import completion_matcher
 from .display import make_view
 from .handles import HandleRegistry
 from .parser import (
@@ -39,12 +47,12 @@ from .parser import (
     check_name,
     grammar_of,
     int_arg,
-    interpolate,
     one_line,
     overview,
     parse_llm,
     subcommand,
 )
+from .prompt import PromptError, interpolate, last_error
 from .tables import bench_outputs, bench_table, handle_info, handle_kind, is_handle, kv_table
 
 __all__ = ["LLMMagics", "Extension", "library_errors", "SUBCOMMANDS", "COMMANDS", "CELL_GRAMMARS", "BENCH_PROMPT"]
@@ -61,6 +69,7 @@ _OPTIMIZER = ("threads", "prefill_threads", "batch_tokens", "micro_batch_tokens"
 # Options several subcommands share, as reusable decorators.
 _NEW_HANDLE = argument("--as", dest="name", metavar="NAME", required=True, help="variable name for the new handle")
 _SOURCE = argument("src", metavar="SRC", help="the source handle")
+_TARGET = argument("target", metavar="NAME", nargs="?", help="the handle (default: the default handle, see %%llm use)")
 
 
 def _derives(sub: str, method: str, option: str, *, description: str) -> Any:
@@ -76,40 +85,6 @@ def _derives(sub: str, method: str, option: str, *, description: str) -> Any:
         self._derive(sub, args.src, args.name, method, getattr(args, option))
 
     return handler
-
-
-# (flag, type, metavar, help) of the sampling options; each maps to the library option of the same name.
-_SAMPLING_FLAGS = (
-    ("--top-k", int_arg, "K", "keep the K most likely tokens (0: off)"),
-    ("--top-p", float, "P", "nucleus sampling, 0..1 (1: off)"),
-    ("--min-p", float, "P", "drop tokens below P x the top probability, 0..1 (0: off)"),
-    ("--repeat-penalty", float, "X", "> 0; 1 is off"),
-    ("--repeat-last-n", int_arg, "N", "tokens the penalties look back over (default 64)"),
-    ("--presence-penalty", float, "X", "-2..2 (0: off)"),
-    ("--frequency-penalty", float, "X", "-2..2 (0: off)"),
-)
-
-
-def _request_options(p: Any) -> None:
-    """The options every request cell shares (%%generate, %%chat)."""
-    p.add_argument("--max-tokens", type=int_arg, metavar="N",
-                   help="most tokens to generate (default: %%config LLMMagics.max_tokens)")
-    p.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 (greedy, default) .. 2")
-    p.add_argument("--seed", type=int_arg, metavar="S", default=0)
-    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
-    for flag, kind, meta, what in _SAMPLING_FLAGS:
-        p.add_argument(flag, type=kind, metavar=meta, help=what)
-    p.add_argument("--grammar", metavar="VAR", help="a variable holding a GBNF grammar the answer must match")
-    p.add_argument("--json-schema", metavar="VAR|JSON",
-                   help="a JSON schema (inline JSON, or a variable holding a dict) the answer must validate against")
-    p.add_argument("--as", dest="var", metavar="VAR", help="also store the Response in this variable")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--stream", dest="display", action="store_const", const="stream",
-                      help="stream into the display (default: %%config LLMMagics.display)")
-    mode.add_argument("--no-stream", dest="display", action="store_const", const="final",
-                      help="show only the final answer and timings")
-    mode.add_argument("--quiet", dest="display", action="store_const", const="none",
-                      help="show nothing (the Response still goes to VAR and _)")
 
 
 @contextmanager
@@ -138,6 +113,24 @@ class LLMMagics(Magics):
     ).tag(config=True)
     release_failed_cells = Bool(
         True, help="Close handles that only a failed cell's traceback still references (sys.last_traceback).",
+    ).tag(config=True)
+    format = Enum(
+        FORMATS, default_value="markdown",
+        help="Default --format of %%generate and %%chat: markdown (rendered as it streams), text, code or json.",
+    ).tag(config=True)
+    default_handle = Unicode(
+        "", help="The handle that %%generate, %%chat and %llm info / kv / bench use when no NAME is given "
+        "(%llm use NAME sets it; empty: see default_to_latest).",
+    ).tag(config=True)
+    default_to_latest = Bool(
+        True, help="Without a NAME and without default_handle, use the most recently loaded or derived handle "
+        "(the output names it). False: a NAME is required.",
+    ).tag(config=True)
+    on_interrupt = Enum(
+        ("raise", "keep"), default_value="raise",
+        help="Ctrl-C during %%generate / %%chat cancels the request and stores the partial Response in _ (and "
+        "--as VAR); then 'raise' re-raises KeyboardInterrupt so the queued cells of Run All stop, 'keep' ends "
+        "the cell normally.",
     ).tag(config=True)
 
     def __init__(self, shell: Any, handles: HandleRegistry) -> None:
@@ -168,13 +161,35 @@ class LLMMagics(Magics):
             raise UsageError(f"{prog}: {what}{live}")
         return value
 
+    def _default_name(self, prog: str, missing: str = "NAME") -> str:
+        """The default handle's name: ``default_handle``, else (with ``default_to_latest``) the latest."""
+        if self.default_handle:
+            value = self.ns.get(self.default_handle)
+            if not is_handle(value) or value.closed:
+                state = "closed" if is_handle(value) else "gone"
+                raise UsageError(f"{prog}: the default handle {self.default_handle!r} is {state}; "
+                                 "name a handle, or choose another with %llm use NAME")
+            return self.default_handle
+        latest = self.handles.latest() if self.default_to_latest else None
+        if latest is None:
+            raise UsageError(f"{prog}: the following arguments are required: {missing} "
+                             "(or choose a default handle with %llm use NAME)")
+        return latest
+
+    def _target(self, name: str | None, prog: str) -> tuple[Any, str]:
+        """``(handle, name)`` of ``name``, or of the default handle when no name was given."""
+        if name is None:
+            name = self._default_name(prog)
+        return self._handle(name, prog), name
+
     @subcommand(
         "load",
         usage="%llm load PATH --as NAME [--context N] [--device D] [--kv-cache-type T] "
-        "[--flash-attention P] [--chat-template T] [--cpu-extra-buffers B]",
-        description="Admit, hash and load a GGUF model; re-running with the same NAME closes the previous NAME first.",
+        "[--flash-attention P] [--chat-template T] [--cpu-extra-buffers B] [--no-warmup]",
+        description="Admit, hash, load and warm up a GGUF model, with progress bars; the line it prints times each "
+        "phase. Re-running with the same NAME closes the previous NAME first.",
         python="NAME = llm.load(PATH, context=N, device=D, kv_cache_type=T, flash_attention=P, chat_template=T, "
-        "cpu_extra_buffers=B)",
+        "cpu_extra_buffers=B, warmup=True, progress=None)",
     )
     @argument("path", metavar="PATH", help="a single-file GGUF text model")
     @_NEW_HANDLE
@@ -185,6 +200,8 @@ class LLMMagics(Magics):
     @argument("--chat-template", metavar="T", help="a built-in template name (e.g. gemma) or a Jinja string")
     @argument("--cpu-extra-buffers", choices=CPU_EXTRA_BUFFERS,
               help="AMX/repack weight buffers (default auto: probed once per CPU and build)")
+    @argument("--no-warmup", dest="warmup", action="store_false",
+              help="skip the warm-up decode (the first request then pays the page-in in its prefill)")
     def _llm_load(self, args: Any) -> None:
         name = check_name(args.name, "%llm load")
         kwargs = {
@@ -196,19 +213,21 @@ class LLMMagics(Magics):
         if is_handle(previous):
             self.handles.close(previous)  # first, so two copies of the weights never coexist
         del previous
-        t0 = time.perf_counter()
         with library_errors("%llm load"):
-            handle = load(os.path.expanduser(args.path), **kwargs)
+            handle = load(os.path.expanduser(args.path), warmup=args.warmup, **kwargs)
         try:
             self.handles.bind(name, handle)
         except BaseException:
             handle.close()
             raise
-        print(f"{name} = {handle!r}  (loaded and SHA-256 verified in {time.perf_counter() - t0:.2f} s)")
+        print(f"{name} = {handle!r}  ({_load_phases(handle.load_summary())})")
 
-    def _on_handle(self, sub: str, name: str, show: Callable[[Any], Any]) -> Any:
-        """``show(handle)`` for the handle bound to ``name``; a library error becomes a one-line UsageError."""
-        handle = self._handle(name, f"%llm {sub}")
+    def _on_handle(self, sub: str, name: str | None, show: Callable[[Any], Any]) -> Any:
+        """``show(handle)`` for ``name`` (the default handle, said so, when None); a library error
+        becomes a one-line UsageError."""
+        handle, shown = self._target(name, f"%llm {sub}")
+        if name is None:
+            print(f"%llm {sub} {shown}  (the default handle)")
         with library_errors(f"%llm {sub}"):
             return show(handle)
 
@@ -273,24 +292,48 @@ class LLMMagics(Magics):
         return self.handles.table()
 
     @subcommand(
+        "use",
+        usage="%llm use [NAME | --none]",
+        description="Make NAME the default handle: %%generate, %%chat and %llm info / kv / bench without a NAME use "
+        "it, and say so in their output. Without NAME, show the default.",
+        python="%config LLMMagics.default_handle = 'NAME'   # in Python, call the handle itself: NAME.generate(...)",
+    )
+    @argument("target", metavar="NAME", nargs="?")
+    @argument("--none", dest="clear", action="store_true", help="forget the default handle")
+    def _llm_use(self, args: Any) -> None:
+        if args.clear and args.target is not None:
+            raise UsageError("%llm use: give NAME or --none, not both")
+        if args.target is not None:
+            self._handle(args.target, "%llm use")
+            self.default_handle = args.target
+        elif args.clear:
+            self.default_handle = ""
+        if self.default_handle:
+            print(f"default handle: {self.default_handle}")
+            return
+        latest = self.handles.latest() if self.default_to_latest else None
+        print(f"no default handle; the latest handle answers: {latest}" if latest else
+              "no default handle: name one in each cell, or %llm use NAME")
+
+    @subcommand(
         "info",
-        usage="%llm info NAME",
+        usage="%llm info [NAME]",
         description="Metadata, load summary, memory summary and KV estimate of one handle, as a DataFrame.",
         python="from aner_nb.magics import handle_info; handle_info(NAME)  "
         "# NAME.memory_summary(), NAME.load_summary()",
     )
-    @argument("target", metavar="NAME")
+    @_TARGET
     def _llm_info(self, args: Any) -> Any:
         return self._on_handle("info", args.target, lambda h: handle_info(h, model=self.handles.parent_of(h)))
 
     @subcommand(
         "kv",
-        usage="%llm kv NAME [--context N] [--kv-cache-type T] [--slots N]",
+        usage="%llm kv [NAME] [--context N] [--kv-cache-type T] [--slots N]",
         description="KV-cache bytes for N resident contexts of this model (every KV type unless --kv-cache-type).",
         python="from aner_nb.magics import kv_table; kv_table(NAME, context=N, kv_cache_type=T, slots=S)  "
         "# llm.kv_estimate(context, layers, kv_heads, head_dim_k, head_dim_v, T) * S",
     )
-    @argument("target", metavar="NAME")
+    @_TARGET
     @argument("--context", type=int_arg, metavar="N", help="context tokens (default: the handle's)")
     @argument("--kv-cache-type", choices=KV_CACHE_TYPES, help="one KV type (default: all of them)")
     @argument("--slots", type=int_arg, metavar="N", default=1,
@@ -362,17 +405,19 @@ class LLMMagics(Magics):
 
     @subcommand(
         "bench",
-        usage="%llm bench A B [--prompt TEXT ...] [--max-tokens N] [--rounds N] [--warmup N] [--as VAR]",
-        description="Paired benchmark of two handles: the same prompts on both, ABBA order, warm-up rounds dropped. "
-        "Shows medians with min/max and the ratio to A (first_token_ms, decode_tokens_per_s, total_ms) and, "
-        "per prompt, whether B's output is identical to A's; the BenchResult goes to VAR and _.",
+        usage="%llm bench [A] B [--prompt TEXT ...] [--max-tokens N] [--rounds N] [--warmup N] [--as VAR]",
+        description="Paired benchmark of two handles: the same prompts on both, ABBA order, warm-up rounds dropped, "
+        "a progress bar over the requests. Shows medians with min/max and the ratio to A (first_token_ms, "
+        "decode_tokens_per_s, total_ms) and, per prompt, whether B's output is identical to A's; the BenchResult "
+        "goes to VAR and _. With one name, A is the default handle.",
         python="from aner_nb import bench; from aner_nb.magics import bench_table, bench_outputs; "
         "VAR = bench.run_sides([bench.lease_side('A', A), bench.lease_side('B', B)], "
-        "[bench.Case('p1', TEXT, max_tokens=N)], rounds=N, warmup=N, baseline='A', manifest_=bench.manifest(B)); "
+        "[bench.Case('p1', TEXT, max_tokens=N)], rounds=N, warmup=N, baseline='A', manifest_=bench.manifest(B), "
+        "progress=None); "
         "bench_table(VAR); bench_outputs(VAR)",
     )
     @argument("a", metavar="A", help="the baseline handle (a lease)")
-    @argument("b", metavar="B", help="the handle compared with A (a lease)")
+    @argument("b", metavar="B", nargs="?", help="the handle compared with A (a lease)")
     @argument("--prompt", dest="prompts", action="append", metavar="TEXT",
               help="a prompt (repeatable; {var} is replaced by the variable's value; "
               "default: one short built-in prompt)")
@@ -382,6 +427,9 @@ class LLMMagics(Magics):
     @argument("--as", dest="var", metavar="VAR", help="also store the BenchResult in this variable")
     def _llm_bench(self, args: Any) -> None:
         prog = "%llm bench"
+        if args.b is None:  # one name: it is B, compared with the default handle
+            args.a, args.b = self._default_name(prog, "B"), args.a
+            print(f"{prog} {args.a} {args.b}  ({args.a} is the default handle)")
         if args.a == args.b:
             raise UsageError(f"{prog}: A and B are both {args.a!r}; name two different handles")
         for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
@@ -415,7 +463,8 @@ class LLMMagics(Magics):
                   "(derive both with with_optimizer(threads=T, prefill_threads=T))")
         with library_errors(prog):
             result = bench.run_sides(sides, cases, rounds=args.rounds, warmup=args.warmup, baseline=args.a,
-                                     manifest_=bench.manifest(leases[1], baseline_settings=threads[args.a]))
+                                     manifest_=bench.manifest(leases[1], baseline_settings=threads[args.a]),
+                                     progress=None)
         del leases, sides
         from IPython.display import display
 
@@ -453,50 +502,55 @@ class LLMMagics(Magics):
         "generate",
         usage="%%generate NAME [--raw] [--max-tokens N] [--temperature T] [--seed S] [--stop STR] [--top-k K] "
         "[--top-p P] [--min-p P] [--repeat-penalty X] [--json-schema VAR|JSON] [--grammar VAR] ... [--as VAR] "
-        "[--stream | --no-stream | --quiet]",
-        description="The cell body is the prompt ({var} is replaced by the variable's value; unknown names stay as "
-        "written, {{var}} is a literal {var}). The answer streams into one display that ends with the "
-        "timings panel; the Response goes to VAR and to _. Ctrl-C cancels; the handle stays usable.",
+        "[--format F] [--stream | --no-stream | --quiet]",
+        description="The cell body is the prompt: {var} is replaced by the variable's value (unknown names stay as "
+        "written, {{var}} is a literal {var}), {In[n]} / {Out[n]} by cell n's input / output, {Err} by the last "
+        "exception with its traceback. NAME may be left out: the default handle answers (%llm use). The answer "
+        "streams into one display, as Markdown unless --format says otherwise, that ends with the timings panel "
+        "and names the handle; the Response goes to VAR and to _. Ctrl-C cancels and keeps the partial Response; "
+        "in a notebook the cell then fails with KeyboardInterrupt so queued cells stop (%config "
+        "LLMMagics.on_interrupt). The handle stays usable.",
         python="s = NAME.stream(prompt, raw=False, max_tokens=N, temperature=T, seed=S, stop=[STR], top_k=K, ...); "
         "for piece in s: print(piece, end=''); VAR = s.response   # or VAR = NAME.generate(prompt, ...)",
     )
-    @argument("target", metavar="NAME", help="the handle to ask")
+    @_TARGET
     @argument("--raw", action="store_true",
               help="continue the cell text as written, without the chat template (base models)")
-    @arguments(_request_options)
+    @arguments(request_options)
     def generate(self, line: str, cell: str) -> None:
         try:
             args = self.generate.grammar.parse_line(line)
         except HelpShown:
             return None
-        handle = self._handle(args.target, "%%generate")
+        handle, args.target = self._target(args.target, "%%generate")
         if handle.kind == "session":
             raise UsageError(f"%%generate: {args.target!r} is a chat session; use %%chat LEASE --session {args.target}")
         if args.var is not None:
             check_name(args.var, "%%generate", "--as")
         prompt = self._prompt(cell, "%%generate")
-        self._answer("%%generate", lambda **kw: handle.stream(prompt, raw=args.raw, **kw), args)
+        self._answer("%%generate", lambda **kw: handle.stream(prompt, raw=args.raw, **kw), args, args.target)
 
     @cell_magic
     @cell_grammar(
         "chat",
         usage="%%chat NAME [--session VAR] [--system TEXT] [--new] [--max-tokens N] [--temperature T] [--seed S] "
-        "[--stop STR] [--as VAR] [--stream | --no-stream | --quiet]",
+        "[--stop STR] [--as VAR] [--format F] [--stream | --no-stream | --quiet]",
         description="Send the cell body as the next user turn of a persistent session (default VAR: NAME_chat), "
-        "which keeps its history in its own context across cells. --new starts over.",
+        "which keeps its history in its own context across cells. --new starts over. NAME may be left out: the "
+        "default handle answers; the body is filled in and the answer shown as in %%generate.",
         python="VAR = NAME.session(system=TEXT); r = VAR.send(body, max_tokens=N)   # or VAR.stream(body, ...)",
     )
-    @argument("target", metavar="NAME", help="the handle to ask")
+    @_TARGET
     @argument("--session", metavar="VAR", help="variable holding the session (default NAME_chat)")
     @argument("--system", metavar="TEXT", help="system prompt of a new session")
     @argument("--new", action="store_true", help="close the existing session and start a new one")
-    @arguments(_request_options)
+    @arguments(request_options)
     def chat(self, line: str, cell: str) -> None:
         try:
             args = self.chat.grammar.parse_line(line)
         except HelpShown:
             return None
-        target = self._handle(args.target, "%%chat")
+        target, args.target = self._target(args.target, "%%chat")
         if args.var is not None:
             check_name(args.var, "%%chat", "--as")
         prompt = self._prompt(cell, "%%chat")
@@ -504,7 +558,7 @@ class LLMMagics(Magics):
             session = target
         else:
             session = self._session(target, args)
-        self._answer("%%chat", lambda **kw: session.stream(prompt, **kw), args)
+        self._answer("%%chat", lambda **kw: session.stream(prompt, **kw), args, args.target)
 
     def _session(self, lease: Any, args: Any) -> Any:
         """The session ``--session VAR`` (default NAME_chat) on ``lease``: reused, or opened now."""
@@ -530,7 +584,10 @@ class LLMMagics(Magics):
         return session
 
     def _prompt(self, cell: str, prog: str) -> str:
-        prompt = interpolate(cell.rstrip().lstrip("\r\n"), self.ns)
+        try:
+            prompt = interpolate(cell.rstrip().lstrip("\r\n"), self.ns, error=last_error)
+        except PromptError as exc:
+            raise UsageError(f"{prog}: {one_line(exc)}") from None
         if not prompt.strip():
             raise UsageError(f"{prog}: the cell body is the prompt, and it is empty")
         return prompt
@@ -539,59 +596,29 @@ class LLMMagics(Magics):
         module = sys.modules.get("IPython.terminal.interactiveshell")
         return module is not None and isinstance(self.shell, module.TerminalInteractiveShell)
 
-    def _constraints(self, prog: str, args: Any) -> dict[str, Any]:
-        """``grammar`` / ``json_schema`` options from their flags (a variable, or inline JSON for a schema)."""
-        out: dict[str, Any] = {}
-        if args.grammar is not None:
-            grammar = self.ns.get(args.grammar)
-            if not isinstance(grammar, str):
-                raise UsageError(f"{prog}: --grammar {args.grammar!r} must name a variable holding GBNF text")
-            out["grammar"] = grammar
-        if args.json_schema is not None:
-            text = args.json_schema
-            schema = self.ns.get(text) if text.isidentifier() else _json_or_none(text)
-            if not isinstance(schema, dict):
-                raise UsageError(
-                    f"{prog}: --json-schema takes inline JSON or a variable holding a dict, got {text!r}"
-                )
-            out["json_schema"] = schema
-        return out
+    def _answer(self, prog: str, start: Callable[..., Any], args: Any, source: str) -> None:
+        """Stream one request from ``source`` into its view; the Response goes to --as VAR and _.
 
-    def _answer(self, prog: str, start: Callable[..., Any], args: Any) -> None:
-        """Stream one request into its view; Ctrl-C cancels it; the Response goes to --as VAR and _."""
-        max_tokens = self.max_tokens if args.max_tokens is None else args.max_tokens
-        options = {"max_tokens": max_tokens, "temperature": args.temperature, "seed": args.seed, "stop": args.stop}
-        options.update(self._constraints(prog, args))
-        for flag, *_ in _SAMPLING_FLAGS:
-            name = flag[2:].replace("-", "_")
-            if getattr(args, name) is not None:
-                options[name] = getattr(args, name)
+        Ctrl-C cancels the request; its partial Response is shown and stored like a finished one,
+        then (``on_interrupt == "raise"``) KeyboardInterrupt is raised again so queued cells stop.
+        """
+        options = request_kwargs(args, self.ns, prog, self.max_tokens)
         with library_errors(prog):
             stream = start(**options)
-        view = make_view(args.display or self.display, interval=self.stream_interval, terminal=self._terminal())
-        cancelled = False
-        try:
-            view.start()
-            for piece in stream:
-                view.add(piece)
-        except KeyboardInterrupt:
-            stream.cancel()  # a no-op when the interrupt already ended the stream inside its step
-            cancelled = True
-        except BaseException as exc:
-            stream.cancel()
-            view.fail(exc)
-            raise
-        response = stream.response
+        view = make_view(args.display or self.display, interval=self.stream_interval, terminal=self._terminal(),
+                         format=args.format or self.format, source=source)
+        response, cancelled = stream_into(view, stream)
         del stream
-        view.finish(response, cancelled=cancelled)
-        if response is None:
-            return
-        if args.var is not None:
-            self.ns[args.var] = response
-        try:
-            self.shell.displayhook.update_user_ns(response)  # _ (and _N, Out[N]) like a displayed result
-        except Exception:
-            self.ns["_"] = response
+        if response is not None:
+            if args.var is not None:
+                self.ns[args.var] = response
+            try:
+                self.shell.displayhook.update_user_ns(response)  # _ (and _N, Out[N]) like a displayed result
+            except Exception:
+                self.ns["_"] = response
+        if cancelled and self.on_interrupt == "raise":
+            kept = "; the partial Response is in _" + (f" and {args.var}" if args.var else "") if response else ""
+            raise KeyboardInterrupt(f"{prog} cancelled{kept}")
 
 
 # The grammars declared on LLMMagics' methods, in definition order, with their handlers.
@@ -603,49 +630,6 @@ SUBCOMMANDS = tuple(COMMANDS)  # in the order %llm help lists them
 OVERVIEW = overview([*COMMANDS.values(), *CELL_GRAMMARS.values()])  # %llm help, and %llm?
 LLMMagics.llm.__doc__ = OVERVIEW
 
-_matcher_pattern = re.compile(r"(?:^|[\s=(])%llm\s+(.*)$")
-_HANDLE_SUBS = {"optimize", "batch", "adapter", "pool", "info", "kv", "close", "serve", "stop", "bench"}
-
-
-def _completion_matcher(names: Callable[[], list[str]]) -> Any:
-    """A Matcher-API-v2 completer: subcommands after ``%llm``, handle names where a handle goes."""
-    try:
-        from IPython.core.completer import SimpleCompletion, completion_matcher
-    except ImportError:  # pragma: no cover - IPython < 8.6 has no v2 matchers
-        return None
-
-    def candidates(text: str, first_line: str, cursor_line: int) -> tuple[list[str], str]:
-        match = _matcher_pattern.search(text)
-        if match:
-            tokens = match.group(1).split(" ")
-            current = tokens[-1]
-            if len(tokens) == 1:
-                return [s for s in SUBCOMMANDS if s.startswith(current)], current
-            sub, previous = tokens[0], tokens[-2]
-            positional = not current.startswith("-") and not (previous.startswith("--") and previous != "--all")
-            if sub in _HANDLE_SUBS and positional and (
-                len(tokens) == 2 or sub == "close" or (sub == "bench" and len(tokens) == 3)
-            ):
-                return [n for n in names() if n.startswith(current)], current
-            return [], current
-        if cursor_line == 0 and re.match(r"^%%(generate|chat)\s", first_line):
-            args = text.split(" ")[1:]
-            if len(args) == 1 or (len(args) >= 2 and args[-2] == "--session"):
-                return [n for n in names() if n.startswith(args[-1])], args[-1]
-        return [], ""
-
-    @completion_matcher(identifier="aner_nb.handles", priority=1, api_version=2)
-    def matcher(context: Any) -> Any:
-        found, fragment = candidates(context.text_until_cursor, context.full_text.split("\n")[0], context.cursor_line)
-        completions = [SimpleCompletion(n, type="llm handle") for n in found]
-        result: dict[str, Any] = {"completions": completions, "matched_fragment": fragment}
-        if completions:
-            result["suppress"] = True
-        return result
-
-    return matcher
-
-
 class Extension:
     """Everything ``%load_ext aner_nb`` adds to one shell, and its symmetric removal."""
 
@@ -653,7 +637,7 @@ class Extension:
         self.shell = shell
         self.handles = HandleRegistry(lambda: shell.user_ns, shell)
         self.magics = LLMMagics(shell, self.handles)
-        self.matcher = _completion_matcher(self.handles.names)
+        self.matcher = completion_matcher(self.handles.names, COMMANDS, CELL_GRAMMARS)
 
     def load(self) -> None:
         self.shell.register_magics(self.magics)
@@ -697,8 +681,12 @@ class Extension:
         return self.handles.close_all()
 
 
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+def _load_phases(summary: Any) -> str:
+    """The load line's timings: the total, then each phase (the first hash pass ran alongside the load)."""
+
+    def sec(ns: int) -> str:
+        return f"{ns / 1e9:.2f} s"
+
+    warm = f"warm-up {sec(summary.warmup_duration)}" if summary.warmup_duration >= 0 else "warm-up skipped"
+    return (f"loaded and SHA-256 verified in {sec(summary.total_duration)}: hash {sec(summary.hash_duration)} "
+            f"alongside load {sec(summary.load_duration)}, verify {sec(summary.verify_duration)}, {warm}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import keyword
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -36,7 +35,6 @@ __all__ = [
     "split_line",
     "parse_llm",
     "overview",
-    "interpolate",
     "one_line",
     "check_name",
 ]
@@ -203,28 +201,12 @@ def overview(grammars: Iterable[Grammar]) -> str:
     lines += [
         "Handles live in the notebook namespace under --as NAME and are tracked weakly: `del NAME`, "
         "overwriting NAME, %reset, a failed cell, %unload_ext aner_nb and kernel exit release their memory.",
-        "Settings: %config LLMMagics.stream_interval / max_tokens / display / release_failed_cells.",
+        "Without NAME, %%generate, %%chat and %llm info / kv / bench use the default handle (%llm use NAME) and "
+        "say which handle answered.",
+        "Cell prompts: {var} is a variable, {In[n]} / {Out[n]} cell n's input / output, {Err} the last exception "
+        "with its traceback; {{var}} is literal.",
+        "Settings: %config LLMMagics.stream_interval / max_tokens / display / format / default_handle / "
+        "default_to_latest / on_interrupt / release_failed_cells.",
         "Details of one subcommand: %llm help SUBCOMMAND (or %llm SUBCOMMAND -h).",
     ]
     return "\n".join(lines)
-
-
-_VAR = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def interpolate(template: str, namespace: Mapping[str, Any]) -> str:
-    """Replace ``{name}`` with ``str(namespace[name])``; unknown names stay, ``{{name}}`` is a literal ``{name}``.
-
-    Only plain names are looked up (no attribute access or expressions), so
-    braces in JSON or code inside a prompt are left alone.
-    """
-
-    def sub(match: "re.Match[str]") -> str:
-        escaped, name = match.groups()
-        if escaped is not None:
-            return "{" + escaped + "}"
-        if name in namespace:
-            return str(namespace[name])
-        return match.group(0)
-
-    return _VAR.sub(sub, template)

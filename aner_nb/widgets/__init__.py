@@ -7,7 +7,8 @@ package uses :mod:`aner_nb.llm`; the library never imports it.
 
 * :func:`timings_panel` where the time of one or many responses went;
   :func:`response_panel` one response's text with its timings panel below
-  (what ``%%generate`` ends with);
+  (what ``%%generate`` ends with), the text as Markdown, plain text, code or
+  JSON (:func:`answer_html`, the one rendering the stream and the panel share);
 * :func:`speculative_panel` prompt-lookup proposals, acceptance, off/on comparison;
 * :func:`kv_budget` KV bytes by formula vs context and KV type, against a memory budget;
 * :func:`batching_monitor` live counters of a batching lease (protocol in
@@ -17,6 +18,7 @@ package uses :mod:`aner_nb.llm`; the library never imports it.
 
 from __future__ import annotations
 
+from .answer import FORMATS as ANSWER_FORMATS, answer_html
 from .batching import STATS_FIELDS, BatchingMonitor, batching_monitor, latency_frame, read_stats
 from .bench_plot import BenchPlot, bench_frame, bench_plot
 from .kv_budget import DEFAULT_BUDGET_BYTES, KVBudget, KVFacts, kv_budget, kv_facts
@@ -30,6 +32,8 @@ __all__ = [
     "TimingsPanel",
     "response_panel",
     "ResponsePanel",
+    "answer_html",
+    "ANSWER_FORMATS",
     "speculative_panel",
     "speculative_stats",
     "SpeculativePanel",

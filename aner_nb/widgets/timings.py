@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 from ..llm.response import Response
 from ..llm.timings import timing_fields
 from ._static import StaticView, figure_png, fmt_count, fmt_ms, frame_html, measured, new_figure
+from .answer import answer_html, check_format
 
 __all__ = [
     "SEGMENTS",
@@ -283,36 +284,50 @@ class ResponsePanel(StaticView):
     """A response's text with its timings panel below it: how ``%%generate`` and ``%%chat`` end.
 
     Displays as an ipywidgets box (the text, then :class:`TimingsPanel`'s widget);
-    the static fallback is the same as HTML, and ``text/plain`` is the text with
-    :func:`timings_line`.
+    the static fallback is the same as HTML, and ``text/plain`` is the whole text
+    (never shortened) with :func:`timings_line`. ``format`` is how the text is
+    shown (:data:`~aner_nb.widgets.answer.FORMATS`; the magics default to
+    Markdown); ``source`` names the handle that answered, shown above the text
+    so a cell that relied on a default handle says which one it was.
     """
 
-    def __init__(self, response: Any) -> None:
+    def __init__(self, response: Any, *, format: str = "text", source: str | None = None) -> None:
         ((_, self.response),) = as_responses([response])
+        self.format = check_format(format)
+        self.source = source
         self.timings = TimingsPanel(self.response)
 
     def to_frame(self) -> Any:
         """Every usage and timings field of the response (``TimingsPanel.to_frame``)."""
         return self.timings.to_frame()
 
+    def _source_html(self) -> str:
+        if self.source is None:
+            return ""
+        return f"<div class='aner-source'><small>answered by <code>{html.escape(self.source)}</code></small></div>"
+
     def _text_html(self) -> str:
-        return f"<pre style='white-space:pre-wrap'>{html.escape(self.response.text)}</pre>"
+        return answer_html(self.response.text, self.format)
 
     def _repr_html_(self) -> str:
-        return f"<div class='aner-response'>{self._text_html()}{self.timings._repr_html_()}</div>"
+        return f"<div class='aner-response'>{self._source_html()}{self._text_html()}{self.timings._repr_html_()}</div>"
 
     def _build_widget(self) -> Any:
         import ipywidgets as w
 
-        return w.VBox([w.HTML(self._text_html()), self.timings.widget], layout=w.Layout(width="100%"))
+        source = [w.HTML(self._source_html())] if self.source is not None else []
+        return w.VBox([*source, w.HTML(self._text_html()), self.timings.widget], layout=w.Layout(width="100%"))
 
     def __repr__(self) -> str:
-        return f"{self.response.text}\n{timings_line(self.response)}"
+        by = f"; answered by {self.source}" if self.source is not None else ""
+        return f"{self.response.text}\n{timings_line(self.response)}{by}"
 
 
-def response_panel(response: Any) -> ResponsePanel:
+def response_panel(response: Any, *, format: str = "text", source: str | None = None) -> ResponsePanel:
     """A Response (or a finished Stream) as its text followed by its timings panel.
 
-    ``display(response_panel(r))`` shows what a ``%%generate`` cell ends with.
+    ``display(response_panel(r))`` shows what a ``%%generate`` cell ends with;
+    ``format`` is ``markdown``, ``text`` (default here), ``code`` or ``json``, and
+    ``source`` the name of the handle that answered.
     """
-    return ResponsePanel(response)
+    return ResponsePanel(response, format=format, source=source)
