@@ -130,8 +130,8 @@ NAME_ATTRIBUTES = {"__name__", "__module__", "__qualname__"}
 def name_sniffing(path: Path) -> list[int]:
     """Lines that use a class or module name as data (compared, matched, used as a key).
 
-    Allowed: the name inside an f-string (an error message), ``getLogger(__name__)``
-    and ``if __name__ == "__main__"``.
+    Allowed: the name inside an f-string (an error message), ``getLogger(__name__)``,
+    ``if __name__ == "__main__"`` and assigning a name (``f.__name__ = ...``).
     """
     tree = ast.parse(path.read_text())
     allowed: set[int] = set()
@@ -148,6 +148,8 @@ def name_sniffing(path: Path) -> list[int]:
         named = (isinstance(node, ast.Attribute) and node.attr in NAME_ATTRIBUTES) or (
             isinstance(node, ast.Name) and node.id in NAME_ATTRIBUTES
         )
+        if named and isinstance(node.ctx, ast.Store):
+            continue  # naming something (``f.__name__ = ...``) is not reading a name as data
         if named and id(node) not in allowed:
             lines.append(node.lineno)
     return sorted(lines)
