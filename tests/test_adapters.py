@@ -252,8 +252,11 @@ def test_derived_leases_and_sessions_apply_the_adapter(base, base_tokens, tmp_pa
             assert unpooled.generate(PROMPT, max_tokens=N).tokens == expected
         with tuned.session() as session:
             assert session.send(PROMPT, max_tokens=N).tokens == expected
-        with pytest.raises(errors.ConfigurationError, match="adapter lease"):
-            tuned.with_batching(2)
+        with tuned.with_batching(2) as serving:  # the shared context applies the adapter too
+            assert serving.kind == "throughput" and serving.supports("adapter") and serving.adapter == tuned.adapter
+            assert serving.generate(PROMPT, max_tokens=N).tokens == expected
+            many = serving.generate_many([PROMPT, "another prompt"], max_tokens=N)
+            assert many[0].tokens == expected and many[1].tokens == tuned.generate("another prompt", max_tokens=N).tokens
     with base.with_optimizer(prefix_cache_entries=1) as fast_base:  # an adapter on a latency profile
         with fast_base.with_adapter(make_manifest(tmp_path / "b", base)) as fast_tuned:
             assert fast_tuned.profile.optimizer.prefix_cache_entries == 1
@@ -390,3 +393,16 @@ def test_write_manifest_round_trip(base, tmp_path):
     with pytest.raises(errors.AdapterError, match="adapter's folder"):
         write_manifest(adapter, base_sha256=base.fingerprint, architecture="llama", manifest_path=other / "m.json")
     assert os.listdir(other) == []
+
+
+def test_a_batching_adapter_lease_releases_its_context_then_its_adapter_hold(base, tmp_path):
+    native = base._weights.native
+    adapters, contexts = native.live_adapters(), native.live_contexts()
+    tuned = base.with_adapter(make_manifest(tmp_path, base))
+    serving = tuned.with_batching(2)
+    serving.generate(PROMPT, max_tokens=2)
+    tuned.close()  # the batching lease keeps its own hold on the adapter
+    assert native.live_adapters() == adapters + 1
+    assert serving.generate(PROMPT, max_tokens=2).finish_reason in ("stop", "length")
+    serving.close()
+    assert native.live_adapters() == adapters and native.live_contexts() == contexts

@@ -32,6 +32,7 @@ from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._engine import Batch, NativeContext, pairs_batch_columns
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
+from .adapters import AdapterInfo, SharedAdapter
 from .lifetime import Lifetime
 from .profiles import Profile, int_in as _int_in
 from .protocol import Done, Lease, LeaseKind, Pieces
@@ -78,7 +79,9 @@ class BatchingModel(Lease):
     piece (keep it quick; it must not submit to or read from this lease).
     """
 
-    def __init__(self, weights: SharedWeights, profile: Profile, max_sequences: int) -> None:
+    def __init__(
+        self, weights: SharedWeights, profile: Profile, max_sequences: int, *, adapter: SharedAdapter | None = None
+    ) -> None:
         settings = BatchingSettings(max_sequences=max_sequences)
         opt = profile.optimizer
         if opt.is_latency_profile:
@@ -86,11 +89,6 @@ class BatchingModel(Lease):
                 f"with_batching() cannot be combined with a latency profile (prefix_cache_entries="
                 f"{opt.prefix_cache_entries}, speculative_tokens={opt.speculative_tokens}); derive the "
                 "batching lease from a lease without prefix cache or speculation"
-            )
-        if getattr(profile, "adapter", None) is not None:
-            raise ConfigurationError(
-                "with_batching() cannot be combined with an adapter profile (the shared context would not "
-                "apply the adapter); derive the batching lease from the base lease"
             )
         if opt.batch_tokens < settings.max_sequences:
             raise ConfigurationError(
@@ -104,27 +102,36 @@ class BatchingModel(Lease):
                 "gets an equal share of the context's cells"
             )
         # One KV stream per sequence: cells stay in position order, so output equals a solo run.
-        params = context_params(weights, profile, n_seq_max=settings.max_sequences, kv_unified=False)
+        # An adapter profile's shared context applies the adapter, as each of its ordinary contexts does.
+        params = context_params(weights, profile, n_seq_max=settings.max_sequences, kv_unified=False, adapter=adapter)
         life = Lifetime("batching lease", exclusive=False)
         with life.building() as stack:
             weights.retain()
             stack.callback(weights.release)
+            if adapter is not None:
+                adapter.retain()
+                stack.callback(adapter.release)
             ctx = NativeContext(weights.native, params)
             stack.callback(ctx.free)
             batch = Batch(params.n_batch, 1)
             stack.callback(batch.free)
-            scheduler = Scheduler(
-                model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
-                batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
-                queue_limit=settings.queue_limit, on_exit=weights.release,
-                pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
-                name=f"aner-scheduler-{weights.facts.name}",
-            )
-            # The scheduler thread now owns the context, the batch and the weights' hold: it frees
-            # them when it exits. The lease only asks it to stop.
-            stack.pop_all()
-            stack.callback(scheduler.shutdown, wait=False)
+            # From here the scheduler thread owns these: when it exits it releases them in reverse
+            # order (batch, context, then the adapter it applied, then the weights' hold).
+            owned = stack.pop_all()
+            try:
+                scheduler = Scheduler(
+                    model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
+                    batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
+                    queue_limit=settings.queue_limit, on_exit=owned.close,
+                    pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
+                    name=f"aner-scheduler-{weights.facts.name}",
+                )
+            except BaseException:
+                owned.close()
+                raise
+            stack.callback(scheduler.shutdown, wait=False)  # the lease only asks it to stop
         self._weights = weights
+        self._adapter = adapter
         self._profile = profile.with_(max_sequences=settings.max_sequences)
         self._settings = settings
         self._params = params
@@ -169,7 +176,13 @@ class BatchingModel(Lease):
         return "throughput"
 
     def _features(self) -> frozenset[str]:
-        return frozenset({"generate", "chat", "stream", "complete", "continuous_batching"})
+        adapter = {"adapter"} if self._adapter is not None else set()
+        return frozenset({"generate", "chat", "stream", "complete", "continuous_batching", *adapter})
+
+    @property
+    def adapter(self) -> AdapterInfo | None:
+        """The LoRA adapter the shared context applies, or None."""
+        return self._adapter.info if self._adapter is not None else None
 
     # Builders and sessions need a context of their own; a batching lease has one shared context.
     def _no_builder(self, what: str) -> UnsupportedFeatureError:

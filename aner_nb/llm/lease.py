@@ -204,14 +204,12 @@ class LLMModel(Lease):
         return Session(self._weights, self._profile, system=system, model_name=self.name, adapter=self._adapter)
 
     def with_batching(self, max_sequences: int) -> BatchingModel:
-        """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests."""
+        """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests.
+
+        On an adapter lease the shared context applies the same adapter (its own hold on it).
+        """
         self._check_open("with_batching()")
-        if self._adapter is not None:
-            raise ConfigurationError(
-                "with_batching() cannot be combined with an adapter lease (its shared context would not apply "
-                "the adapter); derive the batching lease from the base lease"
-            )
-        return BatchingModel(self._weights, self._profile, max_sequences)
+        return BatchingModel(self._weights, self._profile, max_sequences, adapter=self._adapter)
 
     def memory_summary(self) -> MemorySummary:
         """Weights, KV estimate for this lease's contexts, and the process's measured memory."""
