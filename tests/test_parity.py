@@ -31,7 +31,10 @@ PROMPTS = [
 ]
 
 
-def reference_model(path, *, flash=False, n_threads=None, n_threads_batch=None):
+GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def reference_model(path, *, flash=False, n_threads=None, n_threads_batch=None, kv="f16"):
     return llama_cpp.Llama(
         model_path=str(path),
         n_ctx=CTX,
@@ -41,14 +44,14 @@ def reference_model(path, *, flash=False, n_threads=None, n_threads_batch=None):
         n_threads_batch=n_threads_batch,
         flash_attn=flash,
         swa_full=False,  # as ordinary aner_nb contexts
-        type_k=1, type_v=1,  # GGML_TYPE_F16, as kv_cache_type="f16"
+        type_k=GGML_TYPES[kv], type_v=GGML_TYPES[kv],  # as kv_cache_type
         n_gpu_layers=0,
         verbose=False,
     )
 
 
-def reference_tokens(path, prompt_tokens, max_tokens, *, flash, n_threads, n_threads_batch):
-    ref = reference_model(path, flash=flash, n_threads=n_threads, n_threads_batch=n_threads_batch)
+def reference_tokens(path, prompt_tokens, max_tokens, *, flash, n_threads, n_threads_batch, kv="f16"):
+    ref = reference_model(path, flash=flash, n_threads=n_threads, n_threads_batch=n_threads_batch, kv=kv)
     try:
         out = []
         for token in ref.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -62,8 +65,8 @@ def reference_tokens(path, prompt_tokens, max_tokens, *, flash, n_threads, n_thr
         ref.close()
 
 
-def assert_greedy_parity(path, *, flash, context=CTX):
-    with llm.load(path, context=context, flash_attention="on" if flash else "off") as model:
+def assert_greedy_parity(path, *, flash, context=CTX, kv="f16"):
+    with llm.load(path, context=context, flash_attention="on" if flash else "off", kv_cache_type=kv) as model:
         for prompt in PROMPTS:
             response = model.generate(prompt, max_tokens=24)
             timings = response.timings
@@ -74,6 +77,7 @@ def assert_greedy_parity(path, *, flash, context=CTX):
                 flash=flash,
                 n_threads=timings.threads,
                 n_threads_batch=timings.prefill_threads,
+                kv=kv,
             )
             assert list(response.tokens) == expected, prompt
             assert len(expected) > 4  # a real comparison, not two empty outputs
@@ -83,6 +87,32 @@ def assert_greedy_parity(path, *, flash, context=CTX):
 @pytest.mark.parametrize("flash", [False, True])
 def test_greedy_tokens_equal_llama_cpp_python(fixture_models, family, flash):
     assert_greedy_parity(fixture_models[family], flash=flash)
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_quantized_kv_greedy_tokens_equal_llama_cpp_python(fixture_models, family, kv):
+    """A quantized KV cache (flash attention on: llama.cpp stores a quantized V only through it)."""
+    assert_greedy_parity(fixture_models[family], flash=True, kv=kv)
+
+
+def test_quantized_kv_is_refused_at_load_when_heads_do_not_fill_whole_blocks(tmp_path):
+    path = write_tiny_model(tmp_path / "h16.gguf", "llama", n_embd=64, n_head=4, n_head_kv=1, head_dim=16)
+    with pytest.raises(llm.errors.ConfigurationError, match=r"q8_0.*K heads.*head_dim 16.*block size 32") as info:
+        llm.load(path, context=CTX, kv_cache_type="q8_0")
+    assert info.value.param == "kv_cache_type"
+    with llm.load(path, context=CTX) as model:  # f16 stores any head size
+        assert model.generate("hello", max_tokens=2).finish_reason in ("stop", "length")
+
+
+def test_a_quantized_kv_cache_is_smaller_in_the_memory_summary(fixture_models):
+    sizes = {}
+    for kv in ("f16", "q8_0", "q4_0"):
+        with llm.load(fixture_models["llama"], context=CTX, kv_cache_type=kv, flash_attention="on") as model:
+            sizes[kv] = model.memory_summary().kv_bytes
+            facts = model.facts
+            assert sizes[kv] == llm.kv_estimate(CTX, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v, kv)
+    assert sizes["f16"] > sizes["q8_0"] > sizes["q4_0"]
 
 
 def test_phi3_long_rope_factors_greedy_parity(tmp_path):

@@ -24,6 +24,7 @@ from .artifact import inspect_model, sha256_file
 from .chat import resolve_template
 from .errors import ArtifactChangedError, ConfigurationError, DeviceUnavailableError, EngineError
 from .lease import LLMModel
+from .memory import kv_row_bytes
 from .profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, LoadSettings, Profile, choice_or_env, parse_device
 from .progress import progress_bar
 from .requests import context_params
@@ -102,8 +103,10 @@ def load(
     if settings.context > facts.context_length:
         raise ConfigurationError(
             f"context={settings.context} is above the model's declared context of {facts.context_length} "
-            f"tokens; use 1..{facts.context_length}"
+            f"tokens; use 1..{facts.context_length}",
+            param="context",
         )
+    _check_kv_rows(facts.head_dim_k, facts.head_dim_v, settings.kv_cache_type)
     template = resolve_template(
         settings.chat_template, facts.chat_template,
         bos_token=facts.bos_token or "", eos_token=facts.eos_token or "", model_name=facts.name,
@@ -225,3 +228,16 @@ def _warm_up(native: _engine.NativeModel, params: _engine.ContextParams) -> int:
         batch.free()
         ctx.free()
     return time.perf_counter_ns() - t0
+
+
+def _check_kv_rows(head_dim_k: int, head_dim_v: int, kv_cache_type: str) -> None:
+    """A quantized KV cache stores each head's row in whole blocks (32 elements): refuse heads that are not."""
+    for which, dim in (("K", head_dim_k), ("V", head_dim_v)):
+        try:
+            kv_row_bytes(dim, kv_cache_type)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"kv_cache_type={kv_cache_type!r} cannot store this model's {which} heads: {exc}; "
+                "use kv_cache_type='f16'",
+                param="kv_cache_type",
+            ) from None
