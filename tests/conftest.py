@@ -9,10 +9,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
+from aner_nb import magics as magics_pkg
 from fixtures.models import write_all
 
 
@@ -29,3 +33,39 @@ def llama_path(fixture_models: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_path(fixture_models: dict[str, Path]) -> Path:
     return fixture_models["qwen2"]
+
+
+# -- an IPython shell with the extension, for the magics tests ----------------------------------------
+@pytest.fixture(scope="module")
+def shell():
+    """The process-wide IPython shell (history in memory); the extension is unloaded after the module."""
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    ip = InteractiveShell.instance(config=config)
+    yield ip
+    if magics_pkg.extension_for(ip) is not None:
+        ip.run_line_magic("unload_ext", "aner_nb")
+
+
+@pytest.fixture
+def ip(shell):
+    """The shell with the extension loaded; afterwards every handle is closed, every setting restored
+    and the namespace reset, so each test starts from the same shell."""
+    # %config also records values in the shell's config (a rejected one included), and a
+    # newly loaded extension would read them: every test starts and ends without them.
+    shell.config.pop("LLMMagics", None)
+    if magics_pkg.extension_for(shell) is None:
+        shell.run_line_magic("load_ext", "aner_nb")
+    magics = magics_pkg.extension_for(shell).magics
+    saved = {name: getattr(magics, name) for name in magics.trait_names(config=True)}
+    yield shell
+    ext = magics_pkg.extension_for(shell)
+    if ext is not None:
+        ext.handles.close_all()
+        for name, value in saved.items():
+            setattr(ext.magics, name, value)
+    shell.config.pop("LLMMagics", None)
+    shell.run_cell("%reset -f")
+    for name in ("last_value", "last_traceback", "last_type", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)

@@ -9,14 +9,11 @@ for the %reset RSS drop and the DESIGN.md "A user writes" check.
 from __future__ import annotations
 
 import gc
-import sys
 import time
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from traitlets.config import Config
 
 import aner_nb
 from aner_nb import llm, magics as magics_pkg
@@ -29,35 +26,7 @@ from aner_nb.magics.magics import SUBCOMMANDS
 CTX = 256
 
 
-# -- fixtures ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def shell(tmp_path_factory):
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    ip = InteractiveShell.instance(config=config)
-    ip.run_line_magic("load_ext", "aner_nb")
-    yield ip
-    ip.run_line_magic("unload_ext", "aner_nb")
-
-
-@pytest.fixture
-def ip(shell):
-    """The shell with the extension loaded; afterwards every handle is closed and the namespace reset."""
-    if magics_pkg.extension_for(shell) is None:
-        shell.run_line_magic("load_ext", "aner_nb")
-    yield shell
-    ext = magics_pkg.extension_for(shell)
-    if ext is not None:
-        ext.handles.close_all()
-        for trait in ("stream_interval", "max_tokens", "display", "release_failed_cells", "on_interrupt",
-                      "default_to_latest", "default_handle", "format"):
-            ext.magics.traits()[trait].set(ext.magics, ext.magics.traits()[trait].default_value)
-    shell.run_cell("%reset -f")
-    for name in ("last_value", "last_traceback", "last_type", "last_exc"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
-
-
+# -- helpers (the shell and ip fixtures are in conftest.py) ------------------------------
 def run(ip, cell, *, history=False):
     """Run a cell; fail the test with the cell's own exception if it raised."""
     result = ip.run_cell(cell, store_history=history)

@@ -6,13 +6,10 @@ load line's phases. ``tests/test_notebook_kernel.py`` checks the same through a 
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
-from traitlets.config import Config
 
 from aner_nb import magics as magics_pkg
 from aner_nb.llm import _engine
@@ -21,35 +18,6 @@ from aner_nb.magics.prompt import PromptError
 from aner_nb.widgets import ANSWER_FORMATS, answer_html
 
 CTX = 256
-_TRAITS = ("default_handle", "default_to_latest", "format", "on_interrupt", "stream_interval", "display")
-
-
-@pytest.fixture(scope="module")
-def shell():
-    config = Config()
-    config.HistoryManager.hist_file = ":memory:"
-    return InteractiveShell.instance(config=config)  # the process-wide shell other modules use too
-
-
-@pytest.fixture
-def ip(shell):
-    # %config also records values in the shell's config (a rejected one included), and a
-    # newly loaded extension would read them: every test starts and ends without them.
-    shell.config.pop("LLMMagics", None)
-    if magics_pkg.extension_for(shell) is None:
-        shell.run_line_magic("load_ext", "aner_nb")
-    magics = magics_pkg.extension_for(shell).magics
-    saved = {t: getattr(magics, t) for t in _TRAITS}
-    yield shell
-    ext = magics_pkg.extension_for(shell)
-    ext.handles.close_all()
-    for trait, value in saved.items():
-        setattr(ext.magics, trait, value)
-    shell.config.pop("LLMMagics", None)
-    shell.run_cell("%reset -f")
-    for name in ("last_value", "last_traceback", "last_type", "last_exc"):
-        if hasattr(sys, name):
-            setattr(sys, name, None)
 
 
 def run(ip, cell, *, history=False):
