@@ -23,6 +23,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .deadline import DeadlineExceeded, within
 from .errors import ChatTemplateError, ConfigurationError, InvalidRequestError
 
 __all__ = [
@@ -149,6 +150,21 @@ FAMILY_TEMPLATES: Mapping[str, str] = types.MappingProxyType(
 # Largest str/list a template may build with ``*`` and largest ``**`` result (bits).
 _MAX_REPEAT_LEN = 1 << 20
 _MAX_POWER_BITS = 1 << 16
+# Bounds of one render: a prompt is at most 65,536 tokens, far below 16 MiB of text, and a real
+# template renders in milliseconds; anything beyond is a hostile or broken template.
+RENDER_SECONDS = 2.0
+MAX_RENDER_CHARS = 16 << 20
+
+
+def _bounded_output(chunks: Any) -> str:
+    """Join a template's output chunks, refusing more than MAX_RENDER_CHARS."""
+    out, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > MAX_RENDER_CHARS:
+            raise SecurityError(f"the rendered prompt exceeds {MAX_RENDER_CHARS} characters")
+        out.append(chunk)
+    return "".join(out)
 
 
 def _builtin_names() -> str:
@@ -299,7 +315,12 @@ class ChatTemplate:
             "documents": None,
         }
         try:
-            return self._compiled.render(context)
+            return within(RENDER_SECONDS, lambda: _bounded_output(self._compiled.generate(context)))
+        except DeadlineExceeded:
+            raise ChatTemplateError(
+                f"chat template ({self.origin}) took longer than {RENDER_SECONDS:g} s to render and was stopped",
+                param="messages",
+            ) from None
         except _TemplateRaised as exc:
             raise ChatTemplateError(
                 f"chat template ({self.origin}) rejected the messages: {exc.message}", param="messages"

@@ -112,6 +112,9 @@ def load(
         bos_token=facts.bos_token or "", eos_token=facts.eos_token or "", model_name=facts.name,
         architecture=facts.architecture,
     )
+    # An embedded template is untrusted code: render one plain turn (bounded in time and size) before
+    # llama.cpp reads the file, so a hostile or broken one is refused here, not at the first request.
+    template.render([{"role": "user", "content": "Hello"}])
     # Before this process touches the engine: a build that cannot run here fails a child, not us.
     extra = cpu_guard.resolve_extra_buffers(settings.cpu_extra_buffers)
     device_name, n_gpu_layers = resolve_device(settings.device)
