@@ -89,7 +89,8 @@ def test_timings_phases_stack_to_the_total(responses):
     seg = segments_ns(r)
     t = r.timings
     assert seg["prefill"] == t.prompt_eval_duration
-    assert seg["first token"] == t.first_token_duration - t.prompt_eval_duration
+    # the queue wait and the context clear happen inside first_token_duration, before the prefill
+    assert seg["first token"] == t.first_token_duration - t.prompt_eval_duration - 1_000 - max(t.context_clear_duration, 0)
     assert seg["decode"] == t.decode_duration
     assert seg["queue"] == 1_000
     assert all(v is not None and v >= 0 for v in seg.values())

@@ -102,7 +102,11 @@ def segments_ns(response: Response) -> dict[str, int | None]:
     values = {name: get(getattr(t, name)) for name, _ in _PHASES}
     prefill, first = values["prompt_eval_duration"], values["first_token_duration"]
     if first is not None and prefill is not None:
-        values["first_token_duration"] = first - prefill if first >= prefill else None
+        # first_token_duration runs from the call: the queue wait and the context clear happened
+        # inside it, before the prefill, so the first-token segment is what is left of it.
+        before = (values["queue_duration"] or 0) + (values["context_clear_duration"] or 0)
+        rest = first - prefill - before
+        values["first_token_duration"] = rest if rest >= 0 else None
     seg: dict[str, int | None] = {_LABELS[name]: value for name, value in values.items()}
     total = get(t.total_duration)
     other = None
