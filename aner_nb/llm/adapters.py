@@ -116,19 +116,14 @@ def parse_manifest(text: str | bytes, *, folder: str = ".", source: str = "manif
             field="manifest",
         )
     extra = [k for k in data if k not in MANIFEST_FIELDS]
-    if extra:
-        raise AdapterError(
-            f"{source} has unknown field(s) {', '.join(map(repr, extra))}; allowed fields are exactly "
-            + ", ".join(MANIFEST_FIELDS),
-            field=extra[0],
-        )
     missing = [k for k in MANIFEST_FIELDS if k not in data]
-    if missing:
-        raise AdapterError(
-            f"{source} is missing field(s) {', '.join(map(repr, missing))}; required fields are exactly "
-            + ", ".join(MANIFEST_FIELDS),
-            field=missing[0],
-        )
+    for wrong, problem, rule in ((extra, "has unknown", "allowed"), (missing, "is missing", "required")):
+        if wrong:
+            raise AdapterError(
+                f"{source} {problem} field(s) {', '.join(map(repr, wrong))}; {rule} fields are exactly "
+                + ", ".join(MANIFEST_FIELDS),
+                field=wrong[0],
+            )
     for key in MANIFEST_FIELDS:
         if not isinstance(data[key], str) or not data[key]:
             raise AdapterError(f"{source}: {key} must be a non-empty string, got {data[key]!r}", field=key)

@@ -105,12 +105,7 @@ class BatchingModel(Lease):
         # An adapter profile's shared context applies the adapter, as each of its ordinary contexts does.
         params = context_params(weights, profile, n_seq_max=settings.max_sequences, kv_unified=False, adapter=adapter)
         life = Lifetime("batching lease", exclusive=False)
-        with life.building() as stack:
-            weights.retain()
-            stack.callback(weights.release)
-            if adapter is not None:
-                adapter.retain()
-                stack.callback(adapter.release)
+        with life.building(weights, adapter) as stack:
             ctx = NativeContext(weights.native, params)
             stack.callback(ctx.free)
             batch = Batch(params.n_batch, 1)

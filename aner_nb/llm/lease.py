@@ -60,12 +60,7 @@ class LLMModel(Lease):
         life = Lifetime(
             "lease", busy_advice=" (one request at a time per lease: wait, or use with_batching for concurrency)"
         )
-        with life.building() as stack:
-            weights.retain()
-            stack.callback(weights.release)
-            if adapter is not None:
-                adapter.retain()
-                stack.callback(adapter.release)  # frees any context still applying it
+        with life.building(weights, adapter) as stack:  # the adapter frees any context still applying it
             pool: ContextPool | PrefixPool
             if opt.prefix_cache_entries:
                 pool = PrefixPool(

@@ -42,9 +42,17 @@ class Lifetime:
         self._released = False
 
     @contextmanager
-    def building(self) -> Iterator[ExitStack]:
-        """Acquire resources inside this block; on any failure everything pushed so far is released."""
+    def building(self, *holds: Any) -> Iterator[ExitStack]:
+        """Acquire resources inside this block; on any failure everything pushed so far is released.
+
+        ``holds`` (the shared weights, an adapter; None is skipped) are retained first, so they are
+        released last, after every context that uses them.
+        """
         try:
+            for hold in holds:
+                if hold is not None:
+                    hold.retain()
+                    self.stack.callback(hold.release)
             yield self.stack
         except BaseException:
             self.release()

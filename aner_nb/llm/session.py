@@ -53,12 +53,7 @@ class Session(Lease):
         # A full SWA cache lets a turn trim a divergent tail below the sliding window.
         params = context_params(weights, profile, swa_full=True, adapter=adapter)
         life = Lifetime("session", busy_advice=" (a session answers one turn at a time: wait for it to finish)")
-        with life.building() as stack:
-            weights.retain()
-            stack.callback(weights.release)
-            if adapter is not None:
-                adapter.retain()
-                stack.callback(adapter.release)
+        with life.building(weights, adapter) as stack:
             slot = ContextSlot(NativeContext(weights.native, params), Batch(params.n_batch, 1))
             stack.callback(slot.free)  # the context first, then the adapter it applies, then the weights
         self._weights = weights
