@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 from ._engine import Batch, NativeContext, pairs_batch_columns
-from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError, UnsupportedFeatureError
+from .errors import ConfigurationError, InvalidRequestError, UnsupportedFeatureError
 from .adapters import AdapterInfo, SharedAdapter
 from .lifetime import Lifetime
 from .profiles import Profile, int_in as _int_in
@@ -183,7 +183,8 @@ class BatchingModel(Lease):
     def _no_builder(self, what: str) -> UnsupportedFeatureError:
         return UnsupportedFeatureError(
             f"{what} is not available on a batching lease (the throughput profile cannot be combined with "
-            "sessions, latency profiles, context pools or adapters); call it on the source lease"
+            "sessions, latency profiles or context pools, and an adapter is applied before batching: "
+            "with_adapter() then with_batching()); call it on the source lease"
         )
 
     def session(self, *args: Any, **kwargs: Any) -> Any:

@@ -40,10 +40,9 @@ __all__ = ["LLMModel"]
 
 @dataclass(frozen=True)
 class _Owned:
-    """What the lease owns besides its hold on the weights."""
+    """What the lease owns besides its holds on the weights and the adapter (those are in its lifetime)."""
 
     pool: "ContextPool | PrefixPool"
-    adapter: SharedAdapter | None
 
 
 class LLMModel(Lease):
@@ -74,7 +73,7 @@ class LLMModel(Lease):
         self._profile = profile
         self._params = params
         self._adapter = adapter
-        self._state = _Owned(pool, adapter)  # the finalizer holds the lifetime, never the lease
+        self._state = _Owned(pool)  # the finalizer holds the lifetime, never the lease
         self._lifetime = life
         self._finalizer = life.watch(self)
 

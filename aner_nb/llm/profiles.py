@@ -275,7 +275,3 @@ class RequestSettings:
     def plain_argmax(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw row, no sampler at all."""
         return self.greedy and not self.penalized and not self.constrained
-
-    @classmethod
-    def of(cls, max_tokens: Any = 256, temperature: Any = 0.0, seed: Any = 0, stop: Any = None) -> "RequestSettings":
-        return cls(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=stop)  # type: ignore[arg-type]

@@ -79,9 +79,6 @@ class RawText:
     text: str
 
 
-Prompt = "tuple[dict[str, str], ...] | RawText"
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A validated request: its settings, its messages and the exact prompt tokens to evaluate."""
@@ -142,7 +139,6 @@ def prepare(
     context: int,
     greedy_only: bool = False,
     context_note: str = "",
-    t_call: int | None = None,
 ) -> Prepared:
     """Check the options, format and tokenize the messages, and check that prompt plus output fit ``context``.
 
@@ -151,7 +147,7 @@ def prepare(
     ``context_note`` explains a lease-specific context limit in the overflow
     message.
     """
-    t_call = time.perf_counter_ns() if t_call is None else t_call
+    t_call = time.perf_counter_ns()
     request = request_settings(options)
     if request.top_k > weights.native.n_vocab:
         raise InvalidRequestError(

@@ -7,7 +7,6 @@ and plots can show it as missing.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import html
 from array import array

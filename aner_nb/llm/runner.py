@@ -51,10 +51,6 @@ class Job:
         """Record one producer's timings part (profile, pool, queue, batch...)."""
         self.parts.append(part)
 
-    @property
-    def cached_input_tokens(self) -> int:
-        return next((p.cached_input_tokens for p in self.parts if isinstance(p, PoolTimings)), NOT_MEASURED)
-
 
 class SequenceOutput:
     """What one request has produced so far, and whether it is finished.

@@ -48,7 +48,7 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 def sampler_chain(request: RequestSettings, grammar: str | None) -> SamplerChain | None:
     """The chain a request samples with, or None when the plain argmax of the logits is exact."""
-    if request.plain_argmax and grammar is None:
+    if request.plain_argmax:  # greedy, no penalty, no grammar or schema
         return None
     penalized = request.penalized
     return SamplerChain(
