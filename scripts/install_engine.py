@@ -19,8 +19,13 @@ never confused with another. The wheel is then (re)installed with
 
 Choose the profile with ``--profile`` or ``$ANER_NB_ENGINE_PROFILE``
 (``auto``, ``avx2``, ``avx512``, ``native``); a non-empty ``$CMAKE_ARGS``
-(for CUDA or Metal, see docs/install.md) is used verbatim instead. Only the
-standard library is used: this runs before anything else is installed.
+(for CUDA or Metal, see docs/install.md) is used verbatim instead.
+``--cmake-extra=-DGGML_OPENMP=OFF`` (the ``=`` form: the value starts with
+a dash) appends llama.cpp build options to the profile's flags; they enter
+the digest, so such a wheel gets its own folder. ``--wheel-only`` builds or
+finds the wheel and prints its path without installing it (to compare builds
+side by side, see benchmarks/bench_decode_rows.py ``--build``).
+Only the standard library is used: this runs before anything else is installed.
 """
 
 from __future__ import annotations
@@ -76,6 +81,16 @@ def cmake_args(profile: str, flags: set[str]) -> list[str]:
     raise ValueError(f"unknown profile {profile!r}; use one of {', '.join(PROFILES)}")
 
 
+def extra_cmake_args(text: str) -> list[str]:
+    """The ``--cmake-extra`` options as a list; each must be a CMake cache setting (``-DNAME=VALUE``),
+    so that a stray word cannot reach pip or CMake as something else."""
+    args = shlex.split(text)
+    bad = [a for a in args if not (a.startswith("-D") and "=" in a)]
+    if bad:
+        raise ValueError(f"--cmake-extra takes -DNAME=VALUE options only, not {' '.join(bad)!r}")
+    return args
+
+
 def wheel_dir(key: str) -> Path:
     root = Path(os.environ.get("ANER_NB_CACHE") or Path.home() / ".cache" / "aner_nb")
     return root / "wheels" / key
@@ -86,7 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", choices=PROFILES, default=os.environ.get("ANER_NB_ENGINE_PROFILE") or "auto")
     parser.add_argument("--rebuild", action="store_true", help="compile again even if the wheel is cached")
     parser.add_argument("--dry-run", action="store_true", help="print the profile and flags, build nothing")
+    parser.add_argument("--cmake-extra", default="", metavar="ARGS",
+                        help="llama.cpp options appended to the profile's flags, e.g. --cmake-extra=-DGGML_OPENMP=OFF")
+    parser.add_argument("--wheel-only", action="store_true",
+                        help="build (or reuse) the wheel and print its path; install nothing")
     args = parser.parse_args(argv)
+    try:
+        extra = extra_cmake_args(args.cmake_extra)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     flags = cpu_flags()
     custom = os.environ.get("CMAKE_ARGS", "").strip()
@@ -95,10 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         profile = choose_profile(flags, platform.machine()) if args.profile == "auto" else args.profile
         cmake = cmake_args(profile, flags)
+    cmake += extra
     digest = hashlib.sha256(" ".join(cmake).encode()).hexdigest()[:10]
     target = wheel_dir(f"{VERSION}-{profile}-{digest}")
     print(f"install_engine: llama-cpp-python=={VERSION}, profile {profile}: CMAKE_ARGS={' '.join(cmake)}", flush=True)
     if args.dry_run:
+        print(f"install_engine: wheel folder {target}", flush=True)
         return 0
     wheels = sorted(target.glob("llama_cpp_python-*.whl"))
     if args.rebuild or not wheels:
@@ -120,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"install_engine: using the wheel built earlier with these flags: {wheels[-1]}", flush=True)
     wheel = str(wheels[-1])
+    if args.wheel_only:
+        print(wheel, flush=True)
+        return 0
     # Replace whatever build is installed (one compiled elsewhere too), then add its dependencies.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", wheel], check=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", wheel], check=True)

@@ -74,3 +74,45 @@ def test_dry_run_names_the_profile_and_flags(tmp_path):
                          env=dict(env, CMAKE_ARGS="-DGGML_CUDA=on"), capture_output=True, text=True, check=True).stdout
     assert "profile custom: CMAKE_ARGS=-DGGML_CUDA=on" in out
     assert not list(tmp_path.iterdir())  # a dry run builds and writes nothing
+
+
+def _dry_run(tmp_path, *extra_argv):
+    env = {"ANER_NB_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "ANER_NB_ENGINE_PROFILE": "avx512"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "install_engine.py"), "--dry-run", *extra_argv],
+                          env=env, capture_output=True, text=True)
+
+
+def test_cmake_extra_appends_options_and_gets_its_own_wheel_folder(tmp_path):
+    plain = _dry_run(tmp_path)
+    off = _dry_run(tmp_path, "--cmake-extra=-DGGML_LLAMAFILE=OFF -DGGML_OPENMP=OFF")
+    assert plain.returncode == off.returncode == 0, off.stderr
+    plain_flags = plain.stdout.split("CMAKE_ARGS=")[1].splitlines()[0]
+    off_flags = off.stdout.split("CMAKE_ARGS=")[1].splitlines()[0]
+    assert off_flags == plain_flags + " -DGGML_LLAMAFILE=OFF -DGGML_OPENMP=OFF"
+    folder = {out.stdout.split("wheel folder ")[1].strip() for out in (plain, off)}
+    assert len(folder) == 2  # another flag set, another cached wheel
+    # No extra options: the digest (and so an existing cached wheel) is unchanged.
+    assert _dry_run(tmp_path, "--cmake-extra=").stdout == plain.stdout
+    assert install_engine.extra_cmake_args("-DA=1  -DB=OFF") == ["-DA=1", "-DB=OFF"]
+
+
+def test_cmake_extra_refuses_anything_but_cache_settings(tmp_path):
+    for bad in ("--cmake-extra=foo", "--cmake-extra=-DGGML_OPENMP", "--cmake-extra=-DA=1 --target all"):
+        out = _dry_run(tmp_path, bad)
+        assert out.returncode == 2 and "-DNAME=VALUE options only" in out.stderr, (bad, out.stderr)
+    with pytest.raises(ValueError, match="'foo'"):
+        install_engine.extra_cmake_args("-DA=1 foo")
+
+
+def test_wheel_only_prints_the_cached_wheel_and_installs_nothing(tmp_path):
+    folder = Path(_dry_run(tmp_path, "--cmake-extra=-DGGML_OPENMP=OFF").stdout.split("wheel folder ")[1].strip())
+    folder.mkdir(parents=True)
+    # Not a real wheel: installing it would fail, so a zero exit shows nothing was installed.
+    wheel = folder / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"
+    wheel.write_bytes(b"not a wheel")
+    env = {"ANER_NB_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "ANER_NB_ENGINE_PROFILE": "avx512"}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "install_engine.py"), "--wheel-only",
+                          "--cmake-extra=-DGGML_OPENMP=OFF"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == str(wheel)
+    assert wheel.read_bytes() == b"not a wheel"
