@@ -11,6 +11,7 @@ server = (
     .limits(max_rows=64, timeout_ms=120000)
     .output_limit(max_tokens=256)
     .sse(keepalive_s=15)          # ': keep-alive' comments while a stream has no text yet
+    .read_timeouts(header_s=10, body_s=30)   # slow request heads are closed, slow bodies answered 408
     .cors(origins=["https://notebook.example"])   # browser origins; none by default
     .start()                      # or .serve() to block, or .asgi() for any ASGI server
 )
@@ -55,6 +56,7 @@ log = logging.getLogger("aner_nb.api")
 DEFAULT_PORT = 11435
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MAX_KEEPALIVE_S = 3600.0
+MIN_READ_TIMEOUT_S, MAX_READ_TIMEOUT_S = 0.1, 3600.0
 _ORIGIN = re.compile(r"^https?://[^/\s?#]+$")  # scheme://host[:port], nothing after it
 
 
@@ -86,6 +88,8 @@ class App:
     cors_origins: tuple[str, ...] = ()
     log_level: str = "warning"
     access_log: bool = False
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     # -- builders ---------------------------------------------------------------------------
     def llm(self, path: str = "/chat", *, model: Any, name: str | None = None) -> "App":
@@ -140,6 +144,17 @@ class App:
         _int_in("retry_after_s", retry_after_s, 1, 3600)
         return dataclasses.replace(self, max_rows=max_rows, timeout_ms=timeout_ms, max_body_bytes=max_body_bytes,
                                    max_concurrent=max_concurrent, retry_after_s=retry_after_s)
+
+    def read_timeouts(self, *, header_s: float = 10.0, body_s: float = 30.0) -> "App":
+        """How long a request may take to arrive: its line and headers ``header_s`` seconds from the
+        connection opening (or the previous request ending), else the connection is closed; its body
+        ``body_s`` seconds from its headers, else 408. Slow clients (slow-loris) cannot hold connections."""
+        for name, value in (("header_s", header_s), ("body_s", body_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not MIN_READ_TIMEOUT_S <= value <= MAX_READ_TIMEOUT_S:
+                raise ConfigurationError(f"{name} must be a number of seconds in {MIN_READ_TIMEOUT_S:g}.."
+                                         f"{MAX_READ_TIMEOUT_S:g}, got {value!r}", param=name)
+        return dataclasses.replace(self, header_timeout_s=float(header_s), body_timeout_s=float(body_s))
 
     def output_limit(self, *, max_tokens: int = 256) -> "App":
         """The most tokens one request may generate; also the default when a request names none."""
@@ -199,6 +214,7 @@ class App:
             max_rows=self.max_rows, timeout_ms=self.timeout_ms, max_body_bytes=self.max_body_bytes,
             max_concurrent=self.max_concurrent, retry_after_s=self.retry_after_s, max_tokens=self.max_tokens,
             bearer_token=self.bearer_token, sse_keepalive_s=self.sse_keepalive_s, cors_origins=self.cors_origins,
+            body_timeout_s=self.body_timeout_s,
         )
         return build_app(config)
 
@@ -210,7 +226,8 @@ class App:
         routes = [r.listing for r in service_routes((s.path, s.name) for s in self.served)]
         return Server(asgi, title=self.title, host=self.host, port=self.port, routes=routes,
                       models=[s.name for s in self.served], limit_concurrency=4 * capacity + 32,
-                      log_level=self.log_level, access_log=self.access_log)
+                      log_level=self.log_level, access_log=self.access_log,
+                      header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s)
 
     def start(self, timeout_s: float = 30.0) -> Server:
         """Serve on a background thread (for notebooks); returns the running :class:`Server`."""

@@ -31,7 +31,7 @@ from .._version import __version__
 from ..llm.batching import MAX_SEQUENCES
 from ..llm.memory import KV_CACHE_TYPES
 from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, MAX_CONTEXT, MAX_TOKENS
-from . import LOG_LEVELS, MAX_KEEPALIVE_S
+from . import LOG_LEVELS, MAX_KEEPALIVE_S, MAX_READ_TIMEOUT_S, MIN_READ_TIMEOUT_S
 from .routes import service_routes
 
 __all__ = ["main", "parser", "OPTIONS"]
@@ -59,6 +59,17 @@ def _seconds(text: str) -> float:
     except ValueError:
         raise ValueError(f"expected seconds in {bounds}, got {text!r}") from None
     if not math.isfinite(value) or not 0 <= value <= MAX_KEEPALIVE_S:
+        raise ValueError(f"expected seconds in {bounds}, got {text}")
+    return value
+
+
+def _read_timeout(text: str) -> float:
+    bounds = f"{MIN_READ_TIMEOUT_S:g}..{MAX_READ_TIMEOUT_S:g}"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected seconds in {bounds}, got {text!r}") from None
+    if not math.isfinite(value) or not MIN_READ_TIMEOUT_S <= value <= MAX_READ_TIMEOUT_S:
         raise ValueError(f"expected seconds in {bounds}, got {text}")
     return value
 
@@ -129,6 +140,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout_ms", _int_in(1, 24 * 3600 * 1000), 120_000, "request timeout", "MS"),
     Option("sse_keepalive", _seconds, 15.0, "seconds between ': keep-alive' comments while a stream has no new "
            "text (0 = off)", "SECONDS"),
+    Option("header_timeout", _read_timeout, 10.0, "seconds a request's line and headers may take to arrive; "
+           "a slower connection is closed (slow-loris)", "SECONDS"),
+    Option("body_timeout", _read_timeout, 30.0, "seconds a request's body may take to arrive after its headers; "
+           "a slower one is answered 408", "SECONDS"),
     Option("api_key_env", _text, None, "require 'Authorization: Bearer <key>' with the key read from environment "
            "variable VAR", "VAR"),
     Option("cors_origin", _text, [], "a browser origin (https://host[:port], or *) allowed to call the service; "
@@ -247,6 +262,7 @@ def check(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
         .output_limit(max_tokens=args.max_tokens)
         .auth(bearer_token=token)
         .sse(keepalive_s=args.sse_keepalive)
+        .read_timeouts(header_s=args.header_timeout, body_s=args.body_timeout)
         .cors(origins=args.cors_origin)
         .logs(level=args.log_level, access_log=args.access_log)
     )

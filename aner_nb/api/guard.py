@@ -1,15 +1,19 @@
-"""The outermost ASGI layer: bearer-token check, request-body bound, request counting.
+"""The outermost ASGI layer: bearer-token check, request-body bounds, request counting.
 
 It runs before routing and before any body is parsed, so an unauthenticated
 or oversized request costs at most ``max_body_bytes`` of reading: a declared
 ``Content-Length`` above the bound is refused without reading at all, a
-chunked body is refused as soon as it passes the bound. The accepted body
-is replayed to the application; later ``receive()`` calls go to the server,
-so the application still sees ``http.disconnect``.
+chunked body is refused as soon as it passes the bound (413). A body that
+has not fully arrived ``body_timeout_s`` after its head is answered 408, and
+a JSON body that is not UTF-8 (RFC 8259) 400 ``invalid_encoding`` naming the
+first bad byte. The accepted body is replayed to the application; later
+``receive()`` calls go to the server, so the application still sees
+``http.disconnect``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -36,6 +40,7 @@ class Guard:
         app: ASGIApp,
         *,
         max_body_bytes: int,
+        body_timeout_s: float = 30.0,
         bearer_token: str | None,
         open_paths: frozenset[str],
         routes: frozenset[str],
@@ -44,6 +49,7 @@ class Guard:
         """``open_paths`` need no token; ``routes`` are the paths ``record`` counts by name (others as ``other``)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self._token = bearer_token.encode() if bearer_token is not None else None
         self.open_paths = open_paths
         self.routes = routes
@@ -108,8 +114,14 @@ class Guard:
                     return too_large, receive
         chunks: list[bytes] = []
         size = 0
+        deadline = time.monotonic() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                return _error(408, f"the request body did not arrive within this service's body timeout of "
+                              f"{self.body_timeout_s:g} s", "invalid_request_error", "request_timeout",
+                              [(b"connection", b"close")]), receive
             if message["type"] == "http.disconnect":
                 return None, _replay([], message, receive)
             chunk = message.get("body", b"")
@@ -119,7 +131,32 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        if _is_json(scope):
+            refusal = _not_utf8(chunks)
+            if refusal is not None:
+                return refusal, receive
         return None, _replay(chunks, None, receive)
+
+
+def _is_json(scope: Scope) -> bool:
+    """Whether the application parses the body as JSON: no content type, or application/json or */*+json."""
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or media.endswith(b"+json")
+    return True
+
+
+def _not_utf8(chunks: list[bytes]) -> tuple | None:
+    """A 400 naming the first byte that is not UTF-8, or None. JSON exchanged between systems is UTF-8 (RFC 8259)."""
+    body = b"".join(chunks)
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _error(400, f"the request body is not valid UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} "
+                      f"({exc.reason}); JSON request bodies must be UTF-8 encoded", "invalid_request_error",
+                      "invalid_encoding")
+    return None
 
 
 def _replay(chunks: list[bytes], first: Message | None, receive: Callable[[], Awaitable[Message]]) -> Callable[[], Awaitable[Message]]:

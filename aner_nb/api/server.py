@@ -3,9 +3,11 @@
 The listening socket is bound here, before uvicorn starts, so ``port=0``
 picks a free port and ``Server.url`` always names the real one. uvicorn is
 pinned to its asyncio loop and h11 protocol (no optional accelerators whose
-presence would change behaviour between machines) and to a connection bound
-(``limit_concurrency``) above the application's own admission limits, as a
-last defence against connection floods.
+presence would change behaviour between machines), extended with read
+deadlines for request heads and bodies and a lingering close
+(``edges.EdgeProtocol``), and to a connection bound (``limit_concurrency``)
+above the application's own admission limits, as a last defence against
+connection floods.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class Server:
 
     def __init__(self, asgi: Any, *, title: str, host: str, port: int, routes: list[str], models: list[str],
                  limit_concurrency: int, graceful_s: float = 5.0, log_level: str = "warning",
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0) -> None:
         import uvicorn
+
+        from .edges import edge_protocol
 
         self.title = title
         self.routes = routes
@@ -63,7 +67,8 @@ class Server:
         shown = f"[{bound_host}]" if ":" in bound_host else host
         self.url = f"http://{shown}:{bound_port}"
         config = uvicorn.Config(
-            asgi, loop="asyncio", http="h11", ws="none", lifespan="on", log_level=log_level, access_log=access_log,
+            asgi, loop="asyncio", http=edge_protocol(header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s),
+            ws="none", lifespan="on", log_level=log_level, access_log=access_log,
             timeout_keep_alive=5, limit_concurrency=limit_concurrency, timeout_graceful_shutdown=graceful_s,
         )
         if access_log:  # uvicorn logs access lines at INFO: show them whatever the server's level

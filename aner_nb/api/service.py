@@ -60,6 +60,7 @@ class ServiceConfig:
     bearer_token: Optional[str] = field(default=None, repr=False)
     sse_keepalive_s: float = 15.0  # 0: no keep-alive comments
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the service; none by default
+    body_timeout_s: float = 30.0  # a request body still arriving this long after its head is answered 408
 
 
 # -- admission, running, answers ---------------------------------------------------------------
@@ -260,7 +261,8 @@ def build_app(config: ServiceConfig) -> FastAPI:
         if not route.builtin:
             _add_route(app, route, endpoints[route.name])
     app.openapi = _openapi(app, bearer=config.bearer_token is not None)  # type: ignore[method-assign]
-    app.add_middleware(Guard, max_body_bytes=config.max_body_bytes, bearer_token=config.bearer_token,
+    app.add_middleware(Guard, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
+                       bearer_token=config.bearer_token,
                        open_paths=OPEN_PATHS, routes=metric_labels(routes), record=metrics.request)
     if config.cors_origins:  # added last, so outermost: preflights are answered before the token check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
