@@ -5,17 +5,24 @@ batch, sampler chain) and frees it exactly once, either explicitly or from a
 ``weakref.finalize``. Policy (what to evaluate, what to keep) lives elsewhere;
 this module only translates between Python values and the C API of the pinned
 llama-cpp-python 0.3.36.
+
+Tests can arm faults at these calls (:func:`inject`, :class:`Fault`): a failed
+or refused decode, a tokenizer or free failure, a file changed around the load.
+It is off by default and the only mutable module state besides the notebook's
+handle registry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import ctypes
 import logging
 import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -40,6 +47,10 @@ __all__ = [
     "json_schema_grammar",
     "DECODE_OK",
     "DECODE_NO_KV_SLOT",
+    "FAULT_POINTS",
+    "Fault",
+    "Injection",
+    "inject",
 ]
 
 log = logging.getLogger("aner_nb.engine")
@@ -192,6 +203,133 @@ class ContextParams:
     adapter: "NativeAdapter | None" = field(default=None, repr=False)
 
 
+# -- test seam: fault injection at the engine edge ------------------------------------------
+# The one piece of mutable module state besides the notebook's handle registry, and it is for
+# tests only: off by default (``_faults is None``), so each engine call below pays one global
+# lookup. ``inject(...)`` arms it for the duration of a ``with`` block.
+
+FAULT_POINTS = (
+    "model_load",  # before llama_model_load_from_file; subject: the path
+    "model_loaded",  # after the weights loaded, before NativeModel returns; subject: the NativeModel
+    "context_init",  # before llama_init_from_model; subject: the NativeModel
+    "decode",  # NativeContext.decode; subject: the context, args: (batch,)
+    "seq_rm",  # NativeContext.seq_rm (trims, releases); subject: the context, args: (seq, p0, p1)
+    "tokenize",  # NativeModel.tokenize; subject: the model, args: (text,)
+    "token_bytes",  # NativeModel.token_bytes (detokenizing one token); subject: the model, args: (token,)
+    "free",  # _Owner.free of a live handle, before it is freed; subject: the owner
+    "sampler_init",  # before a sampler chain is built; subject: the model, args: (spec,)
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault the test seam injects at an engine call (see :func:`inject`).
+
+    The first ``after`` matching calls at ``point`` pass; the next ``times``
+    ones fire. A call matches when ``when(subject, *args)`` is true (no
+    ``when``: every call). Firing runs ``action(subject, *args)`` first (to
+    cancel a request or change a file at exactly that moment), then returns
+    ``result`` instead of making the engine call (``decode``: a return code,
+    1 = no KV slot, < 0 an error; ``seq_rm``: False = refused), or raises
+    ``error``. A fault with none of the three raises an EngineError.
+    """
+
+    point: str
+    after: int = 0
+    times: int = 1
+    result: Any = None
+    error: BaseException | None = None
+    action: "Callable[..., None] | None" = None
+    when: "Callable[..., bool] | None" = None
+
+    def __post_init__(self) -> None:
+        if self.point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {self.point!r}; known points: {', '.join(FAULT_POINTS)}")
+        if self.after < 0 or self.times < 1:
+            raise ValueError(f"a fault needs after >= 0 and times >= 1, got after={self.after}, times={self.times}")
+
+
+class Injection:
+    """What one ``inject`` block armed: how often each fault fired, and the native owners made meanwhile."""
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.faults = tuple(faults)
+        self._seen = [0] * len(self.faults)
+        self._fired = [0] * len(self.faults)
+        self._lock = threading.Lock()
+        self._owners: "weakref.WeakSet[_Owner]" = weakref.WeakSet()
+
+    def fired(self, point: str | None = None) -> int:
+        """Times the faults (at ``point``, or all) fired."""
+        with self._lock:
+            return sum(n for f, n in zip(self.faults, self._fired) if point is None or f.point == point)
+
+    def live(self) -> dict[str, int]:
+        """Native owners created while armed that are still alive, by kind (``context``, ``batch``...)."""
+        with self._lock:
+            owners = list(self._owners)
+        counts: dict[str, int] = {}
+        for owner in owners:
+            if owner.alive:
+                kind = owner._what.split()[0]
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def _hit(self, point: str, subject: Any, args: tuple[Any, ...]) -> "Fault | None":
+        hit = None
+        with self._lock:
+            for i, fault in enumerate(self.faults):
+                if fault.point != point or (fault.when is not None and not fault.when(subject, *args)):
+                    continue
+                self._seen[i] += 1
+                if hit is None and self._seen[i] > fault.after and self._fired[i] < fault.times:
+                    self._fired[i] += 1
+                    hit = fault
+        return hit
+
+
+_faults: Injection | None = None  # the armed test seam, or None (the default)
+_NO_FAULT = object()
+
+
+@contextlib.contextmanager
+def inject(*faults: Fault) -> Iterator[Injection]:
+    """Test seam: arm ``faults`` at the engine calls named by their points for the ``with`` block.
+
+    Not for production code: it makes every engine call of the process
+    consult the armed faults. Blocks do not nest.
+    """
+    global _faults
+    if _faults is not None:
+        raise RuntimeError("fault injection is already armed (inject() blocks do not nest)")
+    injection = Injection(faults)
+    _faults = injection
+    try:
+        yield injection
+    finally:
+        _faults = None
+
+
+def _fault(point: str, subject: Any, *args: Any) -> Any:
+    """The armed fault's result for this call, or ``_NO_FAULT`` to make the engine call as usual."""
+    injection = _faults
+    if injection is None:
+        return _NO_FAULT
+    fault = injection._hit(point, subject, args)
+    if fault is None:
+        return _NO_FAULT
+    if fault.action is not None:
+        fault.action(subject, *args)
+    if fault.result is not None:
+        return fault.result
+    if fault.error is not None:
+        # A copy: the armed instance would otherwise keep the frames (and handles) of its first raise.
+        raise copy.copy(fault.error)
+    if fault.action is None:
+        raise EngineError(f"injected fault at {point}")
+    return _NO_FAULT
+
+
 class _Owner:
     """Frees one native pointer exactly once, explicitly or when garbage collected."""
 
@@ -200,6 +338,9 @@ class _Owner:
         self._what = what
         self._finalizer = weakref.finalize(self, _free_once, free_fn, ptr, what)
         self._finalizer.atexit = True
+        if _faults is not None:
+            with _faults._lock:
+                _faults._owners.add(self)
 
     @property
     def ptr(self) -> Any:
@@ -213,6 +354,8 @@ class _Owner:
 
     def free(self) -> bool:
         """Free now; returns True if this call released the handle."""
+        if _faults is not None and self._finalizer.alive:
+            _fault("free", self)
         return self._finalizer() is not None
 
 
@@ -248,6 +391,8 @@ class NativeModel(_Owner):
         if progress is not None:  # the ctypes callback must outlive the call that uses it
             callback = lib.llama_progress_callback(lambda value, _user_data: bool(progress(float(value))))
             params.progress_callback = callback
+        if _faults is not None:
+            _fault("model_load", path)
         ptr = lib.llama_model_load_from_file(os.fsencode(path), params)
         del callback
         if not ptr:
@@ -266,6 +411,12 @@ class NativeModel(_Owner):
         self.n_params = int(lib.llama_model_n_params(ptr))
         self.bos = int(lib.llama_vocab_bos(self.vocab))
         self.eos = int(lib.llama_vocab_eos(self.vocab))
+        if _faults is not None:
+            try:
+                _fault("model_loaded", self)
+            except BaseException:
+                self.free()
+                raise
 
     def free(self) -> bool:
         with self._ctx_lock:
@@ -301,6 +452,8 @@ class NativeModel(_Owner):
     # -- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Text to token ids. Chat prompts carry their own BOS, so add_special is off by default."""
+        if _faults is not None:
+            _fault("tokenize", self, text)
         data = text.encode("utf-8")
         lib, vocab = self._lib, self.vocab
         capacity = len(data) + 8
@@ -316,6 +469,8 @@ class NativeModel(_Owner):
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token's piece (may be an incomplete UTF-8 sequence)."""
+        if _faults is not None:
+            _fault("token_bytes", self, token)
         buf = ctypes.create_string_buffer(64)
         n = self._lib.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
         if n < 0:
@@ -356,6 +511,8 @@ class NativeContext(_Owner):
         cp.op_offload = params.offload
         cp.no_perf = False
         cp.embeddings = False
+        if _faults is not None:
+            _fault("context_init", model)
         ptr = lib.llama_init_from_model(model.ptr, cp)
         if not ptr:
             raise EngineError(
@@ -382,7 +539,8 @@ class NativeContext(_Owner):
     def decode(self, batch: "Batch") -> int:
         """Run one ``llama_decode``; returns 0, or 1 when no KV slot fits; raises on errors."""
         self.decode_count += 1
-        rc = int(self._lib.llama_decode(self.ptr, batch.native))
+        injected = _NO_FAULT if _faults is None else _fault("decode", self, batch)
+        rc = int(self._lib.llama_decode(self.ptr, batch.native) if injected is _NO_FAULT else injected)
         if rc < 0 or rc > 1:
             raise EngineError(f"llama_decode failed with code {rc} for a batch of {batch.n_tokens} tokens")
         return rc
@@ -415,6 +573,10 @@ class NativeContext(_Owner):
 
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of ``seq``; False when a partial removal is impossible (SWA)."""
+        if _faults is not None:
+            injected = _fault("seq_rm", self, seq, p0, p1)
+            if injected is not _NO_FAULT:
+                return bool(injected)
         return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
     def trim(self, seq: int, keep: int) -> bool:
@@ -592,6 +754,8 @@ class Sampler(_Owner):
 
     def __init__(self, model: "NativeModel", spec: SamplerChain, history: Sequence[int] = ()) -> None:
         lib = _llama()
+        if _faults is not None:
+            _fault("sampler_init", model, spec)
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         self._lib = lib
         super().__init__(chain, lib.llama_sampler_free, "sampler")  # frees every stage added below

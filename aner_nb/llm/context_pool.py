@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from ._engine import Batch, ContextParams, NativeContext, NativeModel
 from .timings import PoolTimings, TimingsPart
 
-__all__ = ["Acquired", "ContextSlot", "ContextPool"]
+__all__ = ["Acquired", "ContextSlot", "ContextPool", "new_slot", "free_all"]
 
 
 @dataclass
@@ -26,8 +26,32 @@ class ContextSlot:
     batch: Batch
 
     def free(self) -> None:
-        self.ctx.free()
-        self.batch.free()
+        free_all([self.ctx, self.batch])
+
+
+def new_slot(model: NativeModel, params: ContextParams) -> ContextSlot:
+    """A fresh context and its batch; the context is freed again if the batch cannot be made."""
+    ctx = NativeContext(model, params)
+    try:
+        return ContextSlot(ctx, Batch(params.n_batch, params.n_seq_max))
+    except BaseException:
+        ctx.free()
+        raise
+
+
+def free_all(owners: Sequence[Any]) -> None:
+    """Free every one of ``owners`` (contexts, batches, slots) even if freeing one raises; then re-raise the first error.
+
+    A Ctrl-C or a failing free must not leave the rest to the garbage collector.
+    """
+    error: BaseException | None = None
+    for owner in owners:
+        try:
+            owner.free()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below once the rest are freed
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 @dataclass
@@ -56,11 +80,15 @@ class ContextPool:
         with self._lock:
             slot = self._idle.pop() if self._idle else None
         if slot is None:
-            slot = ContextSlot(NativeContext(self.model, self.params), Batch(self.params.n_batch, self.params.n_seq_max))
+            slot = new_slot(self.model, self.params)
             self.created += 1
             return Acquired(slot, 0, (PoolTimings(cached_input_tokens=0, context_pool_reused=0),))
         t0 = time.perf_counter_ns()
-        slot.ctx.clear()
+        try:
+            slot.ctx.clear()
+        except BaseException:  # an interrupt here: the slot is neither idle nor handed out
+            slot.free()
+            raise
         clear = time.perf_counter_ns() - t0
         return Acquired(slot, 0, (PoolTimings(cached_input_tokens=0, context_clear_duration=clear, context_pool_reused=1),))
 
@@ -87,5 +115,4 @@ class ContextPool:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for slot in idle:
-            slot.free()
+        free_all(idle)

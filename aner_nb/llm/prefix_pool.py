@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from ._engine import Batch, ContextParams, NativeContext, NativeModel
-from .context_pool import Acquired, ContextSlot
+from ._engine import ContextParams, NativeModel
+from .context_pool import Acquired, ContextSlot, free_all, new_slot
 from .timings import PoolTimings, PrefixCacheTimings
 
 __all__ = [
@@ -135,8 +135,16 @@ class PrefixPool:
         self.created = 0
 
     def _new_slot(self) -> ContextSlot:
+        slot = new_slot(self.model, self.params)
         self.created += 1
-        return ContextSlot(NativeContext(self.model, self.params), Batch(self.params.n_batch, self.params.n_seq_max))
+        return slot
+
+    def _abandon(self, slot: ContextSlot | None) -> None:
+        """An acquire that failed (no context could be made, an interrupt in the trim): return its use."""
+        with self._lock:
+            self._in_use -= 1
+        if slot is not None:
+            slot.free()
 
     def acquire(self, prompt: Sequence[int]) -> Acquired:
         with self._lock:
@@ -151,35 +159,45 @@ class PrefixPool:
             self._in_use += 1
         found = {"prefix_cache_entries": retained[0], "prefix_cache_retained_tokens": retained[1]}
         if taken is None:
-            slot = self._new_slot()
+            try:
+                slot = self._new_slot()
+            except BaseException:
+                self._abandon(None)
+                raise
             return Acquired(slot, 0, (
                 PoolTimings(cached_input_tokens=0, context_pool_reused=0), PrefixCacheTimings(prefix_cache_hit=0, **found),
             ))
         t0 = time.perf_counter_ns()
         keep = choice.keep
-        if keep == 0 or not taken.slot.ctx.trim(0, keep):
-            # The kept range did not survive (a sliding-window cache without swa_full): no reuse.
-            taken.slot.ctx.clear()
-            keep = 0
+        try:
+            if keep == 0 or not taken.slot.ctx.trim(0, keep):
+                # The kept range did not survive (a sliding-window cache without swa_full): no reuse.
+                taken.slot.ctx.clear()
+                keep = 0
+        except BaseException:  # the entry left the pool; its KV is in an unknown state
+            self._abandon(taken.slot)
+            raise
         pool = PoolTimings(cached_input_tokens=keep, context_clear_duration=time.perf_counter_ns() - t0, context_pool_reused=1)
         return Acquired(taken.slot, keep, (pool, PrefixCacheTimings(prefix_cache_hit=int(keep > 0), **found)))
 
     def give_back(self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str) -> None:
         """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else."""
         keep = retain_length(len(prompt), self.max_tokens)
-        retained = outcome == "ok" and keep > 0 and slot.ctx.alive and slot.ctx.trim(0, keep)
-        evicted: list[_Entry] = []
-        with self._lock:
-            self._in_use -= 1
-            if retained and not self._closed:
-                self._clock += 1
-                self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock))
-                while len(self._entries) > self.capacity:
-                    evicted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])))
-            else:
-                evicted.append(_Entry(slot, (), 0))
-        for entry in evicted:
-            entry.slot.free()
+        retained = False
+        evicted: list[ContextSlot] = []
+        try:
+            retained = outcome == "ok" and keep > 0 and slot.ctx.alive and slot.ctx.trim(0, keep)
+        finally:  # an interrupt inside the trim still returns the use and frees the slot
+            with self._lock:
+                self._in_use -= 1
+                if retained and not self._closed:
+                    self._clock += 1
+                    self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock))
+                    while len(self._entries) > self.capacity:
+                        evicted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])).slot)
+                else:
+                    evicted.append(slot)
+            free_all(evicted)
 
     @property
     def entries(self) -> int:
@@ -195,5 +213,4 @@ class PrefixPool:
         with self._lock:
             self._closed = True
             entries, self._entries = self._entries, []
-        for entry in entries:
-            entry.slot.free()
+        free_all([e.slot for e in entries])
