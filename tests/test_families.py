@@ -5,7 +5,7 @@ this module checks that the library's own features work on each family's
 layout: generate, chat and stream agree, batched requests equal the requests
 run alone, a prefix-cached and speculative lease equals plain greedy decoding
 (sliding-window families included), and the KV estimate is what llama.cpp
-allocates (an upper bound for sliding-window families).
+allocates (its sliding-window cache included).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def test_prefix_reuse_and_prompt_lookup_equal_plain_greedy(model, solo):
 _KV_LINE = re.compile(r"llama_kv_cache: size = .*?\(\s*(\d+) cells,\s*(\d+) layers")
 
 
-def test_kv_estimate_is_what_llama_cpp_allocates_or_an_upper_bound(fixture_models, family, caplog):
-    """Full-attention families: exact. Sliding-window ones: the window's layers get fewer cells."""
+def test_kv_estimate_is_what_llama_cpp_allocates(fixture_models, family, caplog):
+    """Every family, sliding-window ones included: the caches' cells and layers as llama.cpp logs them."""
     f = llm.inspect_model(fixture_models[family])
     with caplog.at_level(logging.DEBUG, logger="aner_nb.engine"), llm.load(f.path, context=CTX) as fresh:
         facts = fresh.memory_summary()
@@ -101,15 +101,13 @@ def test_kv_estimate_is_what_llama_cpp_allocates_or_an_upper_bound(fixture_model
         last.append((cells, layers))
     assert sum(n for _, n in last) == f.layers
     allocated = sum(llm.kv_estimate(cells, layers, f.kv_heads, f.head_dim_k, f.head_dim_v) for cells, layers in last)
-    assert facts.kv_bytes == llm.kv_estimate(CTX, f.layers, f.kv_heads, f.head_dim_k, f.head_dim_v)
+    assert facts.kv_bytes == allocated
     assert facts.sliding_window == f.sliding_window
     if family in SLIDING:
-        assert f.sliding_window == 32 and "upper bound" in facts.kv_formula
-        assert allocated < facts.kv_bytes
+        assert f.sliding_window == 32 and len(last) == 2 and "sliding-window" in facts.kv_formula
         assert min(cells for cells, _ in last) < CTX  # the window's cache
     else:
-        assert f.sliding_window == 0 and "upper bound" not in facts.kv_formula
-        assert allocated == facts.kv_bytes
+        assert f.sliding_window == 0 and len(last) == 1 and "sliding-window" not in facts.kv_formula
 
 
 @pytest.mark.xfail(

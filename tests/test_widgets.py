@@ -217,12 +217,14 @@ def test_kv_budget_with_different_k_and_v_head_dims(tmp_path):
     frame = kb.to_frame()
     for kind, (k, v) in rows.items():
         assert (frame.loc[kind, "K row bytes"], frame.loc[kind, "V row bytes"]) == (k, v)
-        assert frame.loc[kind, "KV bytes"] == 1000 * facts.layers * facts.kv_heads * (k + v)
-        assert frame.loc[kind, "KV bytes"] == manual_kv(1000, facts.layers, facts.kv_heads, 32, 64, kind)
+        # llama.cpp pads a context of 1000 to 1024 cells
+        assert frame.loc[kind, "KV bytes"] == 1024 * facts.layers * facts.kv_heads * (k + v)
+        assert frame.loc[kind, "KV bytes"] == manual_kv(1024, facts.layers, facts.kv_heads, 32, 64, kind)
     same = kv_budget({"layers": facts.layers, "kv_heads": facts.kv_heads, "head_dim_k": 32, "head_dim_v": 64},
                      context=1000, kv_cache_type="q4_0")
     assert same.total_kv_bytes() == frame.loc["q4_0", "KV bytes"]
     assert "(K 32 + V 64" not in same.formula_text() and "head dims: K 32, V 64" in same.formula_text()
+    assert "1000 -> 1024" in same.formula_text()
 
 
 def test_kv_budget_rejects_types_the_head_dims_cannot_store():

@@ -19,6 +19,7 @@ import copy
 import ctypes
 import logging
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ __all__ = [
     "ContextParams",
     "NativeModel",
     "NativeContext",
+    "KVBuffer",
+    "KV_LOG_RESOLUTION",
+    "kv_buffers",
     "NativeAdapter",
     "Batch",
     "Sampler",
@@ -91,7 +95,15 @@ def _llama() -> Any:
 _LOG_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.DEBUG}
 
 
+# The native log lines of the llama_init_from_model call running on this thread (None: not
+# capturing). llama.cpp logs from the calling thread, and reports its KV buffers only there.
+_capture = threading.local()
+
+
 def _forward_native_log(level: int, text: bytes, _user_data: Any) -> None:
+    lines = getattr(_capture, "lines", None)
+    if lines is not None and text:
+        lines.append(text.decode("utf-8", "replace"))
     # Native warnings are mostly informational for this toolkit (e.g. "n_ctx_seq < n_ctx_train"),
     # so they are demoted one level; real failures surface as return codes, which we check.
     if text and log.isEnabledFor(logging.DEBUG):
@@ -449,6 +461,11 @@ class NativeModel(_Owner):
         with self._ctx_lock:
             return sum(1 for c in self._contexts if c.alive)
 
+    def contexts(self) -> "list[NativeContext]":
+        """The live contexts on this model (every lease's, session's and batching lease's)."""
+        with self._ctx_lock:
+            return [c for c in self._contexts if c.alive]
+
     # -- vocabulary -------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Text to token ids. Chat prompts carry their own BOS, so add_special is off by default."""
@@ -490,6 +507,60 @@ class NativeModel(_Owner):
         return None if n < 0 else buf.value.decode("utf-8", "replace")
 
 
+@dataclass(frozen=True)
+class KVBuffer:
+    """One KV cache of a context as llama.cpp reported allocating it (``llama_kv_cache`` log lines).
+
+    A sliding-window model's context has two: ``kind`` ``"full"`` and
+    ``"sliding-window"``; others one ``"full"``. Cells, layers and streams are
+    exact; the byte figures are logged in MiB with two decimals, so each is
+    within :data:`KV_LOG_RESOLUTION` bytes of the allocation.
+    """
+
+    kind: str
+    cells: int  # per stream
+    layers: int
+    streams: int  # 1 unified, else n_seq_max
+    type_k: str
+    type_v: str
+    buffer_bytes: int  # the backend buffers (ggml_backend_buffer_get_size), summed over devices
+    k_bytes: int
+    v_bytes: int
+
+
+KV_LOG_RESOLUTION = -(-(2**20) // 200)  # half of the 0.01 MiB llama.cpp prints, rounded up
+_MIB = 2**20
+_KV_CREATING = re.compile(r"creating\s+(non-SWA|SWA)\s+KV cache")
+_KV_BUFFER = re.compile(r"llama_kv_cache:\s+\S+ KV buffer size =\s*([\d.]+) MiB")
+_KV_SIZE = re.compile(
+    r"llama_kv_cache: size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*\d+/(\d+) seqs\), "
+    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
+)
+
+
+def kv_buffers(lines: Sequence[str]) -> tuple[KVBuffer, ...]:
+    """The KV caches reported in the native log lines of one context's creation, in order.
+
+    llama.cpp has no C function for a context's KV buffer size; it logs each
+    cache's buffers ("CPU KV buffer size = X MiB"), then a summary line with
+    cells, layers and streams; an interleaved-SWA model first says which
+    cache (non-SWA or SWA) it is creating.
+    """
+    out: list[KVBuffer] = []
+    kind, buffer = "full", 0.0
+    for line in lines:
+        if m := _KV_CREATING.search(line):
+            kind, buffer = ("full" if m.group(1) == "non-SWA" else "sliding-window"), 0.0
+        elif m := _KV_BUFFER.search(line):
+            buffer += float(m.group(1))
+        elif m := _KV_SIZE.search(line):
+            cells, layers, streams, tk, k_mib, tv, v_mib = m.groups()
+            out.append(KVBuffer(kind, int(cells), int(layers), int(streams), tk, tv, round(buffer * _MIB),
+                                round(float(k_mib) * _MIB), round(float(v_mib) * _MIB)))
+            kind, buffer = "full", 0.0
+    return tuple(out)
+
+
 class NativeContext(_Owner):
     """One ``llama_context`` on a model: KV memory, decode, logits."""
 
@@ -513,7 +584,11 @@ class NativeContext(_Owner):
         cp.embeddings = False
         if _faults is not None:
             _fault("context_init", model)
-        ptr = lib.llama_init_from_model(model.ptr, cp)
+        _capture.lines = []
+        try:
+            ptr = lib.llama_init_from_model(model.ptr, cp)
+        finally:
+            creation_log, _capture.lines = _capture.lines, None
         if not ptr:
             raise EngineError(
                 f"llama.cpp could not create a context (n_ctx={params.n_ctx}, kv={params.kv_cache_type}, "
@@ -528,6 +603,7 @@ class NativeContext(_Owner):
         self.n_ctx = int(lib.llama_n_ctx(ptr))
         self.n_vocab = model.n_vocab
         self.decode_count = 0  # llama_decode calls on this context (tests check "touched no KV")
+        self.kv_buffers = kv_buffers(creation_log)  # what llama.cpp allocated for KV, as it reported it
         model._register(self)
         if params.adapter is not None:
             try:

@@ -47,6 +47,7 @@ from typing import Any, Iterator, Mapping
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import AdapterError, InvalidArtifactError, UnsupportedModelError
+from .memory import sliding_window_layers
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -73,6 +74,9 @@ _SLIDING_WINDOW_DEFAULTS: Mapping[str, int | None] = {
     "phi3": None,
 }
 SUPPORTED_ARCHITECTURES = tuple(_SLIDING_WINDOW_DEFAULTS)
+# Every n-th layer is full attention unless {arch}.attention.sliding_window_pattern says otherwise
+# (llama.cpp's load_swa_pattern defaults in src/models/gemma2.cpp and gemma3.cpp).
+_SWA_PATTERN_DEFAULTS: Mapping[str, int] = {"gemma2": 2, "gemma3": 6}
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 
 GGUF_MAGIC = b"GGUF"
@@ -134,6 +138,10 @@ class ModelFacts:
     tensor_bytes: int        # sum of the tensors' data sizes
     tensors: TensorShapes = field(default=(), repr=False)  # names and ggml shapes
     tensor_types: TensorTypes = field(default=(), repr=False)  # names and ggml type names
+    # Per-layer {arch}.attention.head_count_kv when the file gives a list (empty: kv_heads on every
+    # layer), and the layers llama.cpp runs with the sliding window (its set_swa_pattern rule).
+    kv_heads_per_layer: tuple[int, ...] = ()
+    swa_layers: tuple[int, ...] = ()
 
     @property
     def output_type(self) -> str | None:
@@ -543,6 +551,19 @@ def _facts(
         else _int(meta, f"{a}.attention.sliding_window", path, default=window_default)
     )
 
+    per_layer = meta.get(f"{a}.attention.head_count_kv")
+    kv_heads_per_layer = (
+        tuple(per_layer) if isinstance(per_layer, list) and len(per_layer) == layers
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in per_layer) else ()
+    )
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", _SWA_PATTERN_DEFAULTS.get(arch, 0))
+    if not (isinstance(pattern, list) or (isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0)):
+        raise InvalidArtifactError(
+            f"{path}: metadata '{a}.attention.sliding_window_pattern' must be a non-negative integer or "
+            f"a list of per-layer flags, got {pattern!r}"
+        )
+    swa_layers = sliding_window_layers(layers, sliding_window, pattern)
+
     tokens = meta.get("tokenizer.ggml.tokens")
     if isinstance(tokens, _StringArray):
         vocab_size = tokens.count
@@ -580,6 +601,8 @@ def _facts(
         tensor_bytes=tensor_bytes,
         tensors=tensors,
         tensor_types=tensor_types,
+        kv_heads_per_layer=kv_heads_per_layer,
+        swa_layers=swa_layers,
     )
 
 

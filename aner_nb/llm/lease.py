@@ -32,7 +32,7 @@ from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
 from .requests import Prepared, RawText, context_params, prepare
 from .runner import Job, run_request
 from .session import Session
-from .summary import MemorySummary, memory_summary
+from .summary import MemorySummary, lease_holdings, memory_summary
 from .weights import SharedWeights
 
 __all__ = ["LLMModel"]
@@ -206,12 +206,16 @@ class LLMModel(Lease):
         return BatchingModel(self._weights, self._profile, max_sequences, adapter=self._adapter)
 
     def memory_summary(self) -> MemorySummary:
-        """Weights, KV estimate for this lease's contexts, and the process's measured memory."""
+        """Weights, the KV of live contexts and of this lease's pool now, what its policies may hold, and
+        the process's measured memory."""
+        kv_bytes = self._context_kv_bytes()
+        held, bounds = lease_holdings(self._weights, self._params, kv_bytes, self._state.pool, self._profile)
         return memory_summary(
             self._weights,
-            kv_bytes=self._context_kv_bytes(),
+            kv_bytes=kv_bytes,
             kv_scope="per request (one context per active request)",
             contexts=self._weights.native.live_contexts(),
+            params=self._params, held=held, bounds=bounds,
         )
 
 

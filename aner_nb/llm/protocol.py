@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Sequence, get_args
 
 from .errors import ConfigurationError, InvalidRequestError
-from .memory import kv_estimate
+from .memory import kv_caches_for
 from .requests import Prepared, RawText, as_messages, as_raw_text, new_job, prompt_token_ids
 from .runner import Job, validate_only
 from .stream import Stream
@@ -240,12 +240,8 @@ class Lease(ABC):
         return self._weights.summary
 
     def _context_kv_bytes(self) -> int:
-        """KV estimate of one context of this lease's size and KV type."""
-        facts = self._weights.facts
-        return kv_estimate(
-            self.context, facts.layers, facts.kv_heads, facts.head_dim_k, facts.head_dim_v,
-            self._weights.settings.kv_cache_type,
-        )
+        """KV bytes llama.cpp allocates for one context of this lease (its ``context_params``)."""
+        return sum(c.bytes for c in kv_caches_for(self._weights.facts, self._params))
 
 
 def with_text_callback(pieces: Pieces, on_text: Callable[[str], None] | None) -> Pieces:

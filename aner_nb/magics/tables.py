@@ -134,6 +134,8 @@ def handle_info(handle: Any, *, model: Any = None) -> Any:
     memory_summary = _get(handle, "memory_summary")
     if callable(memory_summary) and not handle.closed:
         for key, value in memory_summary().as_dict().items():
+            if key in ("resident", "bounds"):  # holdings: one readable line each, with its scope
+                value = "; ".join(f"{h['what']}: {h['count']}, {h['bytes']:,} B ({h['scope']})" for h in value)
             info[f"memory.{key}"] = value
     return pd.DataFrame({"value": pd.Series(info, dtype=object)})
 

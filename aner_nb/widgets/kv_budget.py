@@ -1,7 +1,7 @@
 """KV budget calculator: KV-cache bytes by formula, next to the weights, against a memory budget.
 
-The numbers are :func:`aner_nb.llm.kv_estimate` (context x layers x kv_heads
-x (K row + V row); f16 row = head_dim x 2 bytes, q8_0 = 34 bytes per 32
+The numbers are :func:`aner_nb.llm.kv_estimate` (cells x layers x kv_heads
+x (K row + V row), the context padded to 256 cells as llama.cpp does; f16 row = head_dim x 2 bytes, q8_0 = 34 bytes per 32
 elements, q4_0 = 18 bytes per 32) times ``slots``, the number of contexts
 alive at once (active requests, idle pooled contexts, prefix-cache entries).
 It is an estimate of the KV tensors only; what it leaves out is written under
@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ..llm.artifact import ModelFacts
 from ..llm.errors import ConfigurationError
-from ..llm.memory import KV_CACHE_TYPES, kv_estimate, kv_row_bytes
+from ..llm.memory import KV_CACHE_TYPES, KV_CELL_PADDING, kv_cells, kv_estimate, kv_row_bytes
 from ..llm.summary import KV_EXCLUDES
 from ._static import StaticView, axis_bytes, figure_png, fmt_bytes, fmt_count, frame_html, html_table, new_figure, png_img_tag
 
@@ -241,12 +241,15 @@ class KVBudget(StaticView):
         f, t = self.facts, self.kv_cache_type
         k, v = self.row_bytes(t)
         total = self.total_kv_bytes()
+        cells = kv_cells(self.context)[0]
         lines = [
-            "KV bytes = slots x context x layers x kv_heads x (K row + V row)",
-            f"  = {self.slots} x {self.context} x {f.layers} x {f.kv_heads} x ({k} + {v}) = {total:,} bytes ({t})",
+            "KV bytes = slots x cells x layers x kv_heads x (K row + V row)",
+            f"  = {self.slots} x {cells} x {f.layers} x {f.kv_heads} x ({k} + {v}) = {total:,} bytes ({t})",
             "Row bytes: f16 = head_dim x 2; q8_0 = head_dim / 32 x 34; q4_0 = head_dim / 32 x 18 "
             f"(head dims: K {f.head_dim_k}, V {f.head_dim_v}).",
         ]
+        if cells != self.context:
+            lines.append(f"llama.cpp pads the context to a multiple of {KV_CELL_PADDING} cells: {self.context} -> {cells}.")
         if f.sliding_window:
             lines.append(
                 f"Sliding-window layers keep about {f.sliding_window} cells, so this is an upper bound for this model."
