@@ -38,6 +38,7 @@ __all__ = [
     "pairs_batch_columns",
     "ContextParams",
     "NativeModel",
+    "single_device",
     "NativeContext",
     "KVBuffer",
     "KV_LOG_RESOLUTION",
@@ -377,6 +378,16 @@ def _free_once(free_fn: Any, ptr: Any, what: str) -> bool:
     return True
 
 
+def single_device(n_gpu_layers: int, index: int = 0) -> tuple[str, int]:
+    """``(split_mode, main_gpu)`` a model is loaded with: one device, never a split across GPUs.
+
+    llama.cpp's default (``LLAMA_SPLIT_MODE_LAYER``) spreads the layers over every visible
+    GPU; the toolkit asks for one accelerator explicitly (``main_gpu=index``), and on the
+    CPU (``n_gpu_layers == 0``) for none at all (``main_gpu=-1`` empties the device list).
+    """
+    return "LLAMA_SPLIT_MODE_NONE", (index if n_gpu_layers != 0 else -1)
+
+
 class NativeModel(_Owner):
     """A loaded ``llama_model`` plus its vocabulary; contexts are freed before it."""
 
@@ -399,6 +410,9 @@ class NativeModel(_Owner):
         params.use_extra_bufts = bool(extra_buffers)
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         params.check_tensors = False
+        split_mode, main_gpu = single_device(n_gpu_layers)
+        params.split_mode, params.main_gpu = getattr(lib, split_mode), main_gpu
+        placement = (int(params.split_mode), int(params.main_gpu))  # as llama.cpp was asked
         callback = None
         if progress is not None:  # the ctypes callback must outlive the call that uses it
             callback = lib.llama_progress_callback(lambda value, _user_data: bool(progress(float(value))))
@@ -410,6 +424,7 @@ class NativeModel(_Owner):
         if not ptr:
             raise EngineError(f"llama.cpp failed to load {os.path.basename(path)!r} (see the aner_nb.engine log)")
         self._lib = lib
+        self.placement = placement
         self._contexts: "weakref.WeakSet[NativeContext]" = weakref.WeakSet()
         self._adapters: "weakref.WeakSet[NativeAdapter]" = weakref.WeakSet()
         self._ctx_lock = threading.Lock()

@@ -98,7 +98,7 @@ class LLMModel(Lease):
         opt = self._profile.optimizer
         optional = {
             "prefix_cache": opt.prefix_cache_entries > 0,
-            "speculative": opt.speculative_tokens > 0,
+            "speculative": opt.draft_tokens > 0,  # speculative_tokens >= batch_tokens decodes plainly
             "adapter": self._adapter is not None,
         }
         return frozenset({"generate", "chat", "stream", "complete", "session", *(f for f, on in optional.items() if on)})
@@ -106,7 +106,7 @@ class LLMModel(Lease):
     # -- requests: the protocol's two steps ---------------------------------------
     def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
         self._lifetime.check_open("a request")
-        greedy_only = self._profile.optimizer.speculative_tokens > 0
+        greedy_only = self._profile.optimizer.draft_tokens > 0
         return prepare(self._weights, messages, options, context=self.context, greedy_only=greedy_only)
 
     def _submit(
@@ -120,7 +120,7 @@ class LLMModel(Lease):
             job.add(part)
         pieces = run_request(
             self._weights.native, acquired.slot.ctx, acquired.slot.batch, job,
-            speculative_tokens=self._profile.optimizer.speculative_tokens,
+            speculative_tokens=self._profile.optimizer.draft_tokens,
         )
 
         def done(ok: bool, slot: ContextSlot = acquired.slot) -> None:
@@ -159,7 +159,10 @@ class LLMModel(Lease):
         return LLMModel(self._weights, self._profile.with_(optimizer=settings), adapter=self._adapter)
 
     def with_context_pool(self, max_idle: int) -> "LLMModel":
-        """The same profile keeping up to ``max_idle`` (0..4) idle contexts; 0 disables retention."""
+        """The same profile keeping up to ``max_idle`` (0..4) idle contexts; 0 disables retention.
+
+        A prefix-cache lease retains contexts in its prefix pool instead, so ``max_idle`` is ignored there.
+        """
         profile = self._profile.with_(max_idle_contexts=max_idle)
         self._check_open("with_context_pool()")
         return LLMModel(self._weights, profile, adapter=self._adapter)

@@ -141,11 +141,13 @@ class OptimizerSettings:
         int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
         int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
         int_in("speculative_tokens", self.speculative_tokens, 0, 16)
-        if self.speculative_tokens >= self.batch_tokens:
-            raise ConfigurationError(
-                f"batch_tokens ({self.batch_tokens}) must exceed speculative_tokens ({self.speculative_tokens}): "
-                "a verification batch holds the pending token plus every proposal"
-            )
+
+    @property
+    def draft_tokens(self) -> int:
+        """The proposals a decode step may verify: ``speculative_tokens``, or 0 (plain decoding) when
+        ``speculative_tokens >= batch_tokens``, since a verification batch holds the pending token
+        plus every proposal and could not fit; the seed rule is to fall back, not to refuse."""
+        return self.speculative_tokens if self.speculative_tokens < self.batch_tokens else 0
 
     @property
     def is_latency_profile(self) -> bool:

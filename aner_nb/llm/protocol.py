@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Se
 from .errors import ConfigurationError, InvalidRequestError
 from .memory import kv_caches_for
 from .requests import Prepared, RawText, as_messages, as_raw_text, new_job, prompt_token_ids
-from .runner import Job, validate_only
+from .runner import Job, unstarted_response, validate_only
 from .stream import Stream
 from .chat import validate_messages
 
@@ -169,6 +169,8 @@ class Lease(ABC):
 
         def end(ok: bool) -> None:
             try:
+                if job.result is None and not job.started and job.cancel.is_set():
+                    unstarted_response(job)  # cancelled while it waited to start: a cancelled Response, no KV touched
                 done(ok)
             finally:
                 life.end()

@@ -249,6 +249,6 @@ def profile_timings(params: ContextParams, profile: Profile) -> ProfileTimings:
         prefill_threads=params.n_threads_batch,
         batch_tokens=params.n_batch,
         micro_batch_tokens=params.n_ubatch,
-        speculative_tokens=opt.speculative_tokens,
+        speculative_tokens=opt.draft_tokens,  # what the request ran with (0 when it fell back)
         prefix_cache_capacity=opt.prefix_cache_entries,
     )

@@ -27,7 +27,10 @@ from .lookup import DraftPolicy, NgramIndex
 from .sampling import new_sampler
 from .text import TextAssembler
 
-__all__ = ["Job", "SequenceOutput", "prefill", "run_request", "validate_only", "validated_response"]
+__all__ = [
+    "Job", "SequenceOutput", "PrefillCancelled", "prefill", "run_request", "unstarted_response", "validate_only",
+    "validated_response",
+]
 
 _now = time.perf_counter_ns
 
@@ -46,6 +49,7 @@ class Job:
     grammar: str | None = None  # GBNF the output must match (from the request's grammar or json_schema)
     parts: list[TimingsPart] = field(default_factory=list)  # timings measured before and around the run
     result: Response | None = None
+    started: bool = False  # run_request began; a job closed before that touched no KV
 
     def add(self, part: TimingsPart) -> None:
         """Record one producer's timings part (profile, pool, queue, batch...)."""
@@ -157,21 +161,43 @@ def validated_response(job: Job) -> Response:
     return out.response("length")
 
 
+def unstarted_response(job: Job) -> Response:
+    """The cancelled Response of a request whose run never started (cancelled while it waited); no KV touched."""
+    out = SequenceOutput(None, job)
+    out.evaluated_prompt_tokens = 0
+    return out.response("cancelled")
+
+
 def validate_only(job: Job) -> Generator[str, None, Response]:
     """:func:`validated_response` as a generator with no pieces, like :func:`run_request`."""
     return validated_response(job)
     yield  # pragma: no cover - makes this a generator
 
 
-def prefill(ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int) -> int:
+class PrefillCancelled(Exception):
+    """The request was cancelled before its prompt was fully evaluated (``evaluated`` tokens were)."""
+
+    def __init__(self, evaluated: int) -> None:
+        super().__init__(f"cancelled after {evaluated} prompt tokens")
+        self.evaluated = evaluated
+
+
+def prefill(
+    ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int,
+    *, cancel: threading.Event | None = None,
+) -> int:
     """Evaluate ``tokens[start:]`` at positions ``start..``; logits only for the last row.
 
     Returns the number of llama_decode calls. Chunks are at most ``n_batch``
     tokens; llama.cpp splits each into micro-batches of ``n_ubatch`` itself.
+    ``cancel`` is checked before every chunk, so a long prompt stops within
+    one chunk of a cancellation (:class:`PrefillCancelled`).
     """
     calls = 0
     n_batch = batch.capacity
     for lo in range(start, len(tokens), n_batch):
+        if cancel is not None and cancel.is_set():
+            raise PrefillCancelled(lo - start)
         hi = min(lo + n_batch, len(tokens))
         batch.clear()
         batch.add_run(tokens[lo:hi], lo, seq, logits_last=hi == len(tokens))
@@ -195,7 +221,10 @@ def run_request(
     the generator closed, or KeyboardInterrupt) ``job.result`` holds a
     response with ``finish_reason="cancelled"``; the context's KV for ``seq``
     is then in an unknown state and the caller must discard or clear it.
+    ``job.cancel`` is checked before every prefill chunk and after every
+    verified token, so a cancelled long prompt stops within one chunk.
     """
+    job.started = True
     request, prompt, seq = job.request, job.prompt_tokens, job.seq
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
@@ -209,7 +238,12 @@ def run_request(
         out.speculation = [0, 0, 0]
     try:
         t0 = _now()
-        prefill(ctx, batch, prompt, job.n_cached, seq)
+        try:
+            prefill(ctx, batch, prompt, job.n_cached, seq, cancel=job.cancel)
+        except PrefillCancelled as stopped:  # cancelled before (or while) its prompt was evaluated
+            out.prompt_eval_duration = _now() - t0
+            out.evaluated_prompt_tokens = stopped.evaluated
+            return out.response("cancelled")
         out.prompt_eval_duration = _now() - t0
         row = batch.n_tokens - 1
         token = ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)
