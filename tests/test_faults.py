@@ -438,8 +438,13 @@ def test_the_scheduler_thread_raising_fails_every_request_and_closes_the_lease(b
     serving = base.with_batching(2)
     scheduler = serving._scheduler
     ctx = scheduler._ctx
-    # Not an EngineError: nothing in the step handles it, so it ends the scheduler thread.
-    with inject(Fault("decode", after=2, error=RuntimeError("a bug in the scheduler"))) as injection:
+    # Not an EngineError: nothing in the step handles it, so it ends the scheduler thread. It fires
+    # once all three requests were submitted (two running, one queued), so none is refused as closed.
+    def all_submitted(*_):
+        stats = serving.stats()
+        return stats.admitted + stats.waiting >= 3
+
+    with inject(Fault("decode", error=RuntimeError("a bug in the scheduler"), when=all_submitted)) as injection:
         out = run_all(serving, PROMPTS[:3])
         assert injection.fired() == 1
     scheduler.thread.join(10)
