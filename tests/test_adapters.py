@@ -372,13 +372,15 @@ def test_check_targets_token_embd_is_transposed(fixture_models):
         check_targets(straight, base)
 
 
-def test_parse_manifest_normalises_hashes():
-    text = json.dumps({
-        "schema": SCHEMA, "base_sha256": "A" * 64, "adapter_sha256": "b" * 64,
-        "architecture": "llama", "adapter_file": "x.gguf",
-    })
-    m = parse_manifest(text)
+def test_parse_manifest_digests_are_lowercase_hex():
+    fields = {"schema": SCHEMA, "base_sha256": "a" * 64, "adapter_sha256": "b" * 64,
+              "architecture": "llama", "adapter_file": "x.gguf"}
+    m = parse_manifest(json.dumps(fields))
     assert m.base_sha256 == "a" * 64 and m.as_dict()["adapter_file"] == "x.gguf"
+    for bad in ("A" * 64, "a" * 63 + "F", "a" * 64 + "\n"):  # hashlib's hexdigest is lowercase, no newline
+        with pytest.raises(errors.AdapterError, match="64 hexadecimal characters, lowercase") as info:
+            parse_manifest(json.dumps({**fields, "base_sha256": bad}))
+        assert info.value.field == "base_sha256"
 
 
 def test_write_manifest_round_trip(base, tmp_path):

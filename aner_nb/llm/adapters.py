@@ -59,7 +59,7 @@ __all__ = [
 SCHEMA = "aner.llm.adapter/1"
 MANIFEST_FIELDS = ("schema", "base_sha256", "adapter_sha256", "architecture", "adapter_file")
 MAX_MANIFEST_BYTES = 64 * 1024
-_SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # fullmatch: hashlib's hexdigest form only
 _SEPARATORS = ("/", "\\")
 
 
@@ -104,12 +104,16 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_manifest(text: str | bytes, *, folder: str = ".", source: str = "manifest") -> AdapterManifest:
     """Validate a manifest's JSON text: exactly the five fields, each well-formed."""
+    if not isinstance(text, (str, bytes, bytearray)):
+        raise AdapterError(f"{source} must be JSON text (str or bytes), got {type(text).__name__}", field="manifest")
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except AdapterError:
         raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{source} is not valid JSON: {exc}", field="manifest") from None
+    except RecursionError:  # json's decoder recurses once per nested array or object
+        raise AdapterError(f"{source} nests arrays or objects too deeply to be a manifest", field="manifest") from None
     if not isinstance(data, dict):
         raise AdapterError(
             f"{source} must be a JSON object with the fields {', '.join(MANIFEST_FIELDS)}; got {type(data).__name__}",
@@ -130,15 +134,17 @@ def parse_manifest(text: str | bytes, *, folder: str = ".", source: str = "manif
     if data["schema"] != SCHEMA:
         raise AdapterError(f"{source}: schema must be {SCHEMA!r}, got {data['schema']!r}", field="schema")
     for key in ("base_sha256", "adapter_sha256"):
-        if not _SHA256.match(data[key]):
+        if not _SHA256.fullmatch(data[key]):
             raise AdapterError(
-                f"{source}: {key} must be 64 hexadecimal characters (a SHA-256 digest), got {data[key]!r}", field=key
+                f"{source}: {key} must be 64 hexadecimal characters, lowercase (a SHA-256 hexdigest as "
+                f"hashlib writes it), got {data[key]!r}",
+                field=key,
             )
     _check_basename(data["adapter_file"], source)
     return AdapterManifest(
         schema=SCHEMA,
-        base_sha256=data["base_sha256"].lower(),
-        adapter_sha256=data["adapter_sha256"].lower(),
+        base_sha256=data["base_sha256"],
+        adapter_sha256=data["adapter_sha256"],
         architecture=data["architecture"],
         adapter_file=data["adapter_file"],
         folder=folder,
@@ -152,6 +158,14 @@ def _check_basename(name: str, source: str) -> None:
             f"no '..'), got {name!r}",
             field="adapter_file",
         )
+    try:
+        os.fsencode(name)  # JSON can carry lone surrogates, which no file name on this system has
+    except UnicodeEncodeError:
+        raise AdapterError(
+            f"{source}: adapter_file {name!r} cannot be a file name here (it does not encode to the file system's "
+            "encoding)",
+            field="adapter_file",
+        ) from None
 
 
 def read_manifest(path: "str | os.PathLike[str]") -> AdapterManifest:

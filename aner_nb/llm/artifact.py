@@ -24,6 +24,11 @@ materialises every element of every metadata array as numpy objects, which
 takes seconds for a 262,144-token vocabulary, whereas admission must be fast
 (tens of milliseconds) and must treat hostile headers (huge counts, lengths
 past the end of the file) as errors, not as exceptions from deep inside numpy.
+Every size is checked against the file before anything is read or allocated,
+and the header's own size is capped (65,536 key/values and tensors, 2**22
+string-array elements, 512 layers, decoded strings 1 MiB each and 4 MiB in all,
+longer ones kept as a location), so one inspection stays bounded in time and
+memory whatever the file claims (``tests/test_fuzz_gguf.py``, ``fuzz/``).
 The ``gguf`` package still supplies the format constants (value types, tensor
 types and their block sizes).
 
@@ -112,6 +117,19 @@ _MAX_DECODED_ARRAY = 4096
 # Every Nth string of a string array records its offset, so a token text can
 # be found later without walking the whole array again.
 _STRING_CHECKPOINT = 1024
+# Bounds that keep one inspection fast and small whatever the file's size (a hostile header with
+# honest counts could otherwise hold a hundred million key/values or string elements). Real models
+# stay far below: ~50 key/values, a few thousand tensors, ~1 M strings (vocabulary plus merges).
+_MAX_KV = 65_536
+_MAX_TENSORS = 65_536
+_MAX_STRING_ELEMENTS = 1 << 22   # over all string arrays of the header
+_MAX_KEY_BYTES = 65_535
+_MAX_NAME_BYTES = 63             # GGML_MAX_NAME - 1: llama.cpp refuses longer tensor names
+_MAX_LAYERS = 512                # LLAMA_MAX_LAYERS: llama.cpp refuses larger block counts
+# Metadata strings are decoded up to this size each and this much in all; longer ones (an embedded
+# tokenizer.huggingface.json) are kept as a location, never copied out of the map.
+_MAX_DECODED_STRING = 1 << 20
+_DECODED_STRING_BUDGET = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -201,6 +219,14 @@ class _StringArray:
 
 
 @dataclass(frozen=True)
+class _LongString:
+    """A metadata string too long to decode at inspection: only its location and size are kept."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class _SkippedArray:
     """A long numeric metadata array: only its type and length are kept."""
 
@@ -221,6 +247,8 @@ class _Header:
         self.e = endian
         self._u64 = struct.Struct(endian + "Q").unpack_from
         self._u32 = struct.Struct(endian + "I").unpack_from
+        self.string_budget = _DECODED_STRING_BUDGET
+        self.string_elements = _MAX_STRING_ELEMENTS
 
     def need(self, off: int, n: int) -> None:
         if n < 0 or off + n > self.size:
@@ -234,10 +262,13 @@ class _Header:
         self.need(off, 8)
         return self._u64(self.buf, off)[0]
 
-    def string(self, off: int, *, what: str) -> tuple[str, int]:
+    def string(self, off: int, *, what: str, limit: int | None = None) -> tuple[str, int]:
+        """Decode the string at ``off``; longer than ``limit`` bytes is an error."""
         n = self.u64(off)
         off += 8
         self.need(off, n)
+        if limit is not None and n > limit:
+            raise ValueError(f"{what} is {n} bytes long; at most {limit} are allowed")
         raw = self.buf[off : off + n]
         try:
             return raw.decode("utf-8"), off + n
@@ -253,6 +284,12 @@ class _Header:
         """Walk ``count`` length-prefixed strings; return the end and checkpoints."""
         # each element needs at least its 8-byte length: reject absurd counts at once
         self.need(off, 8 * count)
+        if count > self.string_elements:
+            raise ValueError(
+                f"the header's string arrays hold more than {_MAX_STRING_ELEMENTS} elements in all "
+                f"(this one declares {count})"
+            )
+        self.string_elements -= count
         u64, buf, size = self._u64, self.buf, self.size
         checkpoints = []
         try:
@@ -279,6 +316,11 @@ class _Header:
         if vtype in _SCALAR_FORMATS:
             return self.scalar(off, vtype)
         if vtype == GGUFValueType.STRING:
+            n = self.u64(off)
+            self.need(off + 8, n)
+            if n > min(_MAX_DECODED_STRING, self.string_budget):
+                return _LongString(off + 8, n), off + 8 + n
+            self.string_budget -= n
             return self.string(off, what=f"metadata value of {key!r}")
         if vtype == GGUFValueType.ARRAY:
             item_raw = self.u32(off)
@@ -353,9 +395,14 @@ def _read_header(
     # every key/value needs >= 13 bytes, every tensor info >= 24: cheap sanity bounds
     if n_kv * 13 > size or n_tensors * 24 > size:
         raise _Truncated(off)
+    if n_kv > _MAX_KV or n_tensors > _MAX_TENSORS:
+        raise ValueError(
+            f"the header declares {n_kv} metadata entries and {n_tensors} tensors; at most "
+            f"{_MAX_KV} and {_MAX_TENSORS} are admitted"
+        )
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
-        key, off = h.string(off, what="metadata key")
+        key, off = h.string(off, what="metadata key", limit=_MAX_KEY_BYTES)
         raw_type = h.u32(off)
         off += 4
         try:
@@ -372,7 +419,7 @@ def _read_header(
     types: list[tuple[str, str]] = []
     names = set()
     for _ in range(n_tensors):
-        name, off = h.string(off, what="tensor name")
+        name, off = h.string(off, what="tensor name", limit=_MAX_NAME_BYTES)
         n_dims = h.u32(off)
         off += 4
         if not 1 <= n_dims <= _MAX_DIMS:
@@ -391,6 +438,8 @@ def _read_header(
         n_elems = 1
         for d in dims:
             n_elems *= d
+        if n_elems >= 1 << 63 or any(d >= 1 << 63 for d in dims):  # llama.cpp reads ne as int64_t
+            raise ValueError(f"tensor {name!r} has dimensions {list(dims)}, beyond what ggml can address")
         if dims[0] % block:
             raise ValueError(f"tensor {name!r}: row of {dims[0]} elements is not a multiple of block size {block}")
         if name in names:
@@ -438,8 +487,10 @@ def _admit(path: str, meta: dict[str, Any]) -> str:
     """Apply the admission rules that need metadata; return the architecture."""
     split_count = meta.get("split.count")
     if isinstance(split_count, int) and not isinstance(split_count, bool) and split_count > 1:
+        shard = meta.get("split.no", 0)
+        which = f"shard {shard + 1}" if isinstance(shard, int) and not isinstance(shard, bool) else "a shard"
         raise UnsupportedModelError(
-            f"{path} is shard {int(meta.get('split.no', 0)) + 1} of a split GGUF "
+            f"{path} is {which} of a split GGUF "
             f"(split.count = {split_count}); only single-file GGUF models are admitted: "
             "merge the shards first with `llama-gguf-split --merge FIRST-SHARD.gguf OUT.gguf`"
         )
@@ -541,6 +592,8 @@ def _facts(
             f"{path}: block_count, embedding_length and attention.head_count must be >= 1, "
             f"got {layers}, {n_embd}, {heads}"
         )
+    if layers > _MAX_LAYERS:
+        raise InvalidArtifactError(f"{path}: {a}.block_count is {layers}; llama.cpp loads at most {_MAX_LAYERS} layers")
     kv_heads = _int(meta, f"{a}.attention.head_count_kv", path, default=heads)
     head_dim_k = _int(meta, f"{a}.attention.key_length", path, default=n_embd // heads)
     head_dim_v = _int(meta, f"{a}.attention.value_length", path, default=n_embd // heads)
@@ -579,7 +632,12 @@ def _facts(
                 return None
         return None
 
-    template = _str(meta, "tokenizer.chat_template")
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, _LongString):
+        raise InvalidArtifactError(
+            f"{path}: tokenizer.chat_template is {template.length} bytes; at most {_MAX_DECODED_STRING} are admitted"
+        )
+    template = template if isinstance(template, str) else None
     return ModelFacts(
         path=path,
         file_size=size,
