@@ -126,6 +126,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", _text, "127.0.0.1", "address to listen on (loopback only by default)"),
     Option("port", _int_in(0, 65535), 11435, "port; 0 picks a free one", "PORT"),
     Option("max_sequences", _int_in(1, MAX_SEQUENCES), 4, "requests decoded together; up to 8 more wait in the queue", "N"),
+    Option("prefix_cache_entries", _int_in(0, 16), 0, "evaluated prompt prefixes kept and shared by later requests "
+           "that start with the same tokens (a common system prompt is evaluated once); each costs one more "
+           "sequence's KV", "N"),
+    Option("prefix_cache_tokens", _int_in(1, MAX_CONTEXT), 2048, "tokens each shared prefix keeps at most", "N"),
     Option("context", _int_in(1, MAX_CONTEXT), 4096, "context cells, split equally between the sequences", "N"),
     Option("chat_template", _text, None, "a built-in template name (e.g. gemma) or a Jinja string", "T"),
     Option("device", _text, "auto", "auto, cpu, cuda, cuda:N, metal or mps (an explicit device never falls back)"),
@@ -298,13 +302,19 @@ def _serve(builder: Any, base: Any, args: argparse.Namespace) -> int:
     model = source = None
     try:
         source = base.with_optimizer(threads=args.threads, prefill_threads=args.threads) if args.threads else base
-        model = source.with_batching(args.max_sequences)
+        model = source.with_batching(
+            args.max_sequences, prefix_cache_entries=args.prefix_cache_entries,
+            prefix_cache_tokens=args.prefix_cache_tokens,
+        )
         server = builder.llm(path="/chat", model=model, name=args.name).start()
         stats = model.stats()
         print(f"aner-nb serve: {server.models[0]} at {server.url}", flush=True)
         print(f"  model sha256 {model.fingerprint}", flush=True)
         print(f"  context {stats.sequence_context} tokens per sequence x {stats.max_sequences} sequences "
               f"(+{stats.queue_limit} queued)", flush=True)
+        if stats.prefix_cache_capacity:
+            print(f"  shared prefixes: up to {stats.prefix_cache_capacity} of {args.prefix_cache_tokens} tokens",
+                  flush=True)
         server.serve()
     except (LLMError, OSError, RuntimeError) as exc:
         print(f"aner-nb serve: {exc}", file=sys.stderr)

@@ -16,8 +16,22 @@ they include the queue); ``batch_max_sequences`` is
 ``max_sequences``, ``batch_peak_sequences`` the most sequences that shared a
 step with the request, ``scheduler_steps`` the steps (``llama_decode``
 calls) it took part in and ``batch_decoded_tokens`` the rows those steps
-evaluated, its own and the other sequences'. There is no context pool, so
-``context_clear_duration`` and ``context_pool_reused`` are -1.
+evaluated, its own and the other sequences'. Without shared prefixes there
+is no context pool, so ``context_clear_duration`` and
+``context_pool_reused`` are -1.
+
+Shared prefixes (``with_batching(n, prefix_cache_entries=E,
+prefix_cache_tokens=T)``, the latency profile's names and bounds): the
+context gets ``n + E`` KV streams of ``context // n`` cells each; the ``E``
+spare streams hold evaluated prompt prefixes of up to ``T`` tokens (see
+:mod:`aner_nb.llm.shared_prefix`). ``cached_input_tokens`` then counts the
+prompt tokens a request copied from an entry, ``context_pool_reused`` is 1
+on a hit and ``context_clear_duration`` times the lookup and copy request;
+the ``prefix_cache_*`` timings say what the entries held at admission.
+Sliding-window models keep a full SWA cache then (an entry is trimmed to the
+common prefix, below the window). Trusted cache domain, as for the latency
+profile: a request's timings reveal how much of its prompt an earlier
+request of the same lease sent.
 
 Lifetime: the lease retains the weights, so closing the source lease does
 not affect accepted requests. ``close()`` rejects new requests, lets every
@@ -27,6 +41,7 @@ a finalizer does the same (without waiting) when the lease is collected.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
@@ -34,14 +49,14 @@ from ._engine import Batch, NativeContext, pairs_batch_columns
 from .errors import ConfigurationError, InvalidRequestError, UnsupportedFeatureError
 from .adapters import AdapterInfo, SharedAdapter
 from .lifetime import Lifetime
-from .profiles import Profile, int_in as _int_in
+from .profiles import MAX_CONTEXT, Profile, int_in as _int_in
 from .protocol import Done, Lease, LeaseKind, Pieces
-from .requests import Prepared, RawText, as_messages, context_params, new_job, prepare
+from .requests import Prepared, RawText, as_messages, context_params, new_job, prepare, template_opening
 from .response import Response
 from .runner import Job, validated_response
 from .scheduler import Outbox, Request, Scheduler, SchedulerStats
-from .summary import MemorySummary, memory_summary
-from .timings import PoolTimings
+from .summary import ESTIMATE, PER_LEASE, PER_REQUEST, Holding, MemorySummary, memory_summary
+from .shared_prefix import SharedPrefixes
 from .weights import SharedWeights
 
 __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT"]
@@ -53,21 +68,29 @@ STREAM_BUFFER = 16
 
 @dataclass(frozen=True)
 class BatchingSettings:
-    """A throughput profile: concurrent sequences, waiting-queue bound, stream buffer (pieces)."""
+    """A throughput profile: concurrent sequences, waiting-queue bound, stream buffer (pieces), shared prefixes."""
 
     max_sequences: int
     queue_limit: int = QUEUE_LIMIT
     stream_buffer: int = STREAM_BUFFER
+    prefix_cache_entries: int = 0
+    prefix_cache_tokens: int = 2048
 
     def __post_init__(self) -> None:
         _int_in("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
         _int_in("queue_limit", self.queue_limit, 1, 1024)
         _int_in("stream_buffer", self.stream_buffer, 1, 65536)
+        _int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)  # the latency profile's bounds
+        _int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
 
 
-def with_batching(model: Any, max_sequences: int) -> "BatchingModel":
+def with_batching(
+    model: Any, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048
+) -> "BatchingModel":
     """Module form of :meth:`LLMModel.with_batching`."""
-    return model.with_batching(max_sequences)
+    return model.with_batching(
+        max_sequences, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens
+    )
 
 
 class BatchingModel(Lease):
@@ -80,9 +103,13 @@ class BatchingModel(Lease):
     """
 
     def __init__(
-        self, weights: SharedWeights, profile: Profile, max_sequences: int, *, adapter: SharedAdapter | None = None
+        self, weights: SharedWeights, profile: Profile, max_sequences: int, *, adapter: SharedAdapter | None = None,
+        prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048,
     ) -> None:
-        settings = BatchingSettings(max_sequences=max_sequences)
+        settings = BatchingSettings(
+            max_sequences=max_sequences, prefix_cache_entries=prefix_cache_entries,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
         opt = profile.optimizer
         if opt.is_latency_profile:
             raise ConfigurationError(
@@ -102,8 +129,22 @@ class BatchingModel(Lease):
                 "gets an equal share of the context's cells"
             )
         # One KV stream per sequence: cells stay in position order, so output equals a solo run.
+        # Shared prefixes take spare streams of the same size above the request ids, and keep a full
+        # sliding-window cache: an entry is trimmed to a common prefix that may end below the window.
         # An adapter profile's shared context applies the adapter, as each of its ordinary contexts does.
-        params = context_params(weights, profile, n_seq_max=settings.max_sequences, kv_unified=False, adapter=adapter)
+        sequence_context = context // settings.max_sequences
+        entries = settings.prefix_cache_entries
+        streams = settings.max_sequences + entries
+        params = context_params(
+            weights, profile, n_seq_max=streams, kv_unified=False, adapter=adapter,
+            n_ctx=sequence_context * streams if entries else None, swa_full=entries > 0,
+        )
+        prefixes = None
+        if entries:
+            prefixes = SharedPrefixes(
+                range(settings.max_sequences, streams), max_tokens=settings.prefix_cache_tokens,
+                trivial_prefix=template_opening(weights),
+            )
         life = Lifetime("batching lease", exclusive=False)
         with life.building(weights, adapter) as stack:
             ctx = NativeContext(weights.native, params)
@@ -116,10 +157,10 @@ class BatchingModel(Lease):
             try:
                 scheduler = Scheduler(
                     model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
-                    batch_tokens=params.n_batch, sequence_context=context // settings.max_sequences,
+                    batch_tokens=params.n_batch, sequence_context=sequence_context,
                     queue_limit=settings.queue_limit, on_exit=owned.close,
                     pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
-                    name=f"aner-scheduler-{weights.facts.name}",
+                    name=f"aner-scheduler-{weights.facts.name}", prefixes=prefixes,
                 )
             except BaseException:
                 owned.close()
@@ -127,7 +168,14 @@ class BatchingModel(Lease):
             stack.callback(scheduler.shutdown, wait=False)  # the lease only asks it to stop
         self._weights = weights
         self._adapter = adapter
-        self._profile = profile.with_(max_sequences=settings.max_sequences)
+        # The profile records the shared-prefix settings under the latency profile's names, so the
+        # profile timings and the handle table report them (prefix_cache_capacity).
+        self._profile = profile.with_(
+            max_sequences=settings.max_sequences,
+            optimizer=dataclasses.replace(
+                profile.optimizer, prefix_cache_entries=entries, prefix_cache_tokens=settings.prefix_cache_tokens
+            ),
+        )
         self._settings = settings
         self._params = params
         self._scheduler = scheduler
@@ -171,8 +219,10 @@ class BatchingModel(Lease):
         return "throughput"
 
     def _features(self) -> frozenset[str]:
-        adapter = {"adapter"} if self._adapter is not None else set()
-        return frozenset({"generate", "chat", "stream", "complete", "continuous_batching", *adapter})
+        optional = {"adapter": self._adapter is not None, "prefix_cache": self._settings.prefix_cache_entries > 0}
+        return frozenset(
+            {"generate", "chat", "stream", "complete", "continuous_batching", *(f for f, on in optional.items() if on)}
+        )
 
     @property
     def adapter(self) -> AdapterInfo | None:
@@ -224,7 +274,6 @@ class BatchingModel(Lease):
     def _enqueue(
         self, job: Job, *, on_text: Callable[[str], None] | None = None, streaming: bool = False, block: bool = False
     ) -> Request:
-        job.add(PoolTimings(cached_input_tokens=0))  # no pool: every prompt is evaluated
         s = self._scheduler
         outbox = Outbox(self._settings.stream_buffer, s.wake, s.guard) if streaming else None
         return s.submit(Request(job, outbox=outbox, on_text=on_text), block=block)
@@ -269,15 +318,25 @@ class BatchingModel(Lease):
         return self._scheduler.stats()
 
     def memory_summary(self) -> MemorySummary:
-        """Weights, the KV estimate of the whole shared context, and the process's measured memory."""
+        """Weights, the KV of the one shared context (request streams and shared-prefix streams), what the
+        shared prefixes hold now, and the process's measured memory."""
+        kv_bytes = self._context_kv_bytes()
+        n, entries = self.max_sequences, self._settings.prefix_cache_entries
+        per_stream = kv_bytes // (n + entries)  # every stream of the context has the same cells
+        layout = f"one shared context: {n} sequences x {self.sequence_context} cells"
+        layout += f" + {entries} shared-prefix streams of the same size" if entries else ""
+        stats = self.stats()
+        held = [Holding(
+            f"shared prefixes ({stats.prefix_cache_retained_tokens} tokens)", stats.prefix_cache_entries,
+            stats.prefix_cache_entries * per_stream, PER_LEASE, ESTIMATE,
+        )] if entries else []
+        bounds = [
+            Holding(layout, 1, kv_bytes, PER_LEASE, ESTIMATE),
+            Holding("one request's stream", 1, per_stream, PER_REQUEST, ESTIMATE),
+        ]
         return memory_summary(
-            self._weights,
-            kv_bytes=self._context_kv_bytes(),
-            kv_scope=(
-                f"whole scheduler (one shared context: {self.max_sequences} sequences x "
-                f"{self.sequence_context} cells)"
-            ),
-            contexts=self._weights.native.live_contexts(),
+            self._weights, kv_bytes=kv_bytes, kv_scope=f"whole scheduler ({layout})",
+            contexts=self._weights.native.live_contexts(), params=self._params, held=held, bounds=bounds,
         )
 
 

@@ -26,10 +26,10 @@ from .batching import BatchingModel
 from .context_pool import ContextPool, ContextSlot
 from .errors import ConfigurationError
 from .lifetime import Lifetime
-from .prefix_pool import PrefixPool, common_prefix_length
+from .prefix_pool import PrefixPool
 from .profiles import OptimizerSettings, Profile
 from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
-from .requests import Prepared, RawText, context_params, prepare
+from .requests import Prepared, RawText, context_params, prepare, template_opening
 from .runner import Job, run_request
 from .session import Session
 from .summary import MemorySummary, lease_holdings, memory_summary
@@ -64,7 +64,7 @@ class LLMModel(Lease):
             if opt.prefix_cache_entries:
                 pool = PrefixPool(
                     weights.native, params, capacity=opt.prefix_cache_entries,
-                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=_template_opening(weights),
+                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=template_opening(weights),
                 )
             else:
                 pool = ContextPool(weights.native, params, profile.max_idle_contexts)
@@ -200,13 +200,22 @@ class LLMModel(Lease):
         self._check_open("session()")
         return Session(self._weights, self._profile, system=system, model_name=self.name, adapter=self._adapter)
 
-    def with_batching(self, max_sequences: int) -> BatchingModel:
+    def with_batching(
+        self, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048
+    ) -> BatchingModel:
         """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests.
 
-        On an adapter lease the shared context applies the same adapter (its own hold on it).
+        ``prefix_cache_entries`` (0..16) evaluated prompt prefixes of up to
+        ``prefix_cache_tokens`` tokens are kept and shared by later requests
+        that start with the same tokens (a common system prompt is evaluated
+        once); each entry costs one more sequence's KV. On an adapter lease
+        the shared context applies the same adapter (its own hold on it).
         """
         self._check_open("with_batching()")
-        return BatchingModel(self._weights, self._profile, max_sequences, adapter=self._adapter)
+        return BatchingModel(
+            self._weights, self._profile, max_sequences, adapter=self._adapter,
+            prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
+        )
 
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV of live contexts and of this lease's pool now, what its policies may hold, and
@@ -220,15 +229,3 @@ class LLMModel(Lease):
             contexts=self._weights.native.live_contexts(),
             params=self._params, held=held, bounds=bounds,
         )
-
-
-def _template_opening(weights: SharedWeights) -> int:
-    """Tokens every prompt of this template starts with (BOS, the first turn's header).
-
-    A prefix-cache match no longer than this is template-only and worth no entry.
-    """
-    render, tokenize = weights.template.render, weights.native.tokenize
-    a = tokenize(render([{"role": "user", "content": "a"}]))
-    b = tokenize(render([{"role": "user", "content": "b"}]))
-    return common_prefix_length(a, b)
-

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
 
 from ._engine import ContextParams, default_threads
+from .prefix_pool import common_prefix_length
 from .chat import validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
 from .profiles import Profile, RequestSettings
@@ -47,6 +48,7 @@ __all__ = [
     "engine_threads",
     "context_params",
     "profile_timings",
+    "template_opening",
 ]
 
 REQUEST_OPTIONS = tuple(f.name for f in dataclasses.fields(RequestSettings))
@@ -211,8 +213,12 @@ def context_params(
     swa_full: bool = False,
     adapter: "SharedAdapter | None" = None,
     kv_unified: bool = True,
+    n_ctx: int | None = None,
 ) -> ContextParams:
     """The explicit context parameters of a lease's contexts, including the adapter they apply.
+
+    ``n_ctx`` overrides the loaded context (a batching lease with shared
+    prefixes needs more cells than its request sequences share).
 
     A profile naming an adapter needs that adapter here, so no caller can
     silently create adapter-less contexts for it.
@@ -226,7 +232,7 @@ def context_params(
     threads, prefill = engine_threads(profile)
     settings = weights.settings
     return ContextParams(
-        n_ctx=settings.context,
+        n_ctx=settings.context if n_ctx is None else n_ctx,
         n_batch=opt.batch_tokens,
         n_ubatch=opt.micro_batch_tokens,
         n_seq_max=n_seq_max,
@@ -239,6 +245,17 @@ def context_params(
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
     )
+
+
+def template_opening(weights: "SharedWeights") -> int:
+    """Tokens every prompt of this template starts with (BOS, the first turn's header).
+
+    A prefix-cache match no longer than this is template-only and worth no entry.
+    """
+    render, tokenize = weights.template.render, weights.native.tokenize
+    a = tokenize(render([{"role": "user", "content": "a"}]))
+    b = tokenize(render([{"role": "user", "content": "b"}]))
+    return common_prefix_length(a, b)
 
 
 def profile_timings(params: ContextParams, profile: Profile) -> ProfileTimings:

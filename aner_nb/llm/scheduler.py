@@ -43,6 +43,20 @@ are removed at once and its id admits queued work on the next step, so a
 short request that arrives late can finish before an earlier long one.
 Admission order is a policy object; the default is first in, first out.
 
+Shared prefixes (``prefix_cache_entries > 0``, see
+:mod:`aner_nb.llm.shared_prefix`): spare sequence ids above the request ids
+each hold an evaluated prompt prefix in their own stream. An admitted
+request whose prompt starts with an entry's tokens gets a copy of that
+stream (``llama_memory_seq_cp`` between streams copies the buffer during
+the next ``llama_decode``, before the batch runs, in the order the copies
+were asked for), the positions past the common prefix are removed, and
+only the rest is evaluated; the copied cells keep their indices, so they
+sit in position order at the start of the stream exactly as if evaluated
+there, and output still equals a solo run. A prompt is retained when its
+evaluation ends. A queued request that shares a long prefix with a prompt
+being evaluated waits for it instead of evaluating the same tokens beside
+it (:func:`~aner_nb.llm.shared_prefix.waits_for`).
+
 The counters a scheduler reports (:class:`SchedulerStats`) are declared once:
 each field's metadata names it for the batching monitor widget and for the
 Prometheus exposition of the HTTP service (:func:`stat_fields`).
@@ -65,7 +79,8 @@ from .errors import BusyError, ClosedError, EngineError
 from .response import Response
 from .runner import Job, SequenceOutput
 from .sampling import new_sampler
-from .timings import BatchTimings, QueueTimings
+from .shared_prefix import SharedPrefixes
+from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, QueueTimings
 
 __all__ = [
     "StepPlan",
@@ -421,11 +436,13 @@ class Request:
         self.out: SequenceOutput | None = None
         self.sampler: Sampler | None = None
         self.evaluated = 0  # prompt tokens in the KV
+        self.cached = 0  # of which copied from a shared prefix entry
         self.pos = 0  # KV position of next_token
         self.next_token = -1  # sampled, not yet evaluated
         self.steps = 0
         self.step_tokens = 0
         self.peak = 0
+        self.deferred = False  # waited for a shared prefix (counted once)
 
     def cancel(self) -> None:
         """Ask the scheduler to end this request with ``finish_reason="cancelled"``."""
@@ -522,6 +539,20 @@ class SchedulerStats:
         "Sequences moved to another id to keep the active ids consecutive.", metric="aner_scheduler_compactions_total")
     padding_rows: int = _stat(
         "Logits rows requested only to keep the output kernel to one pass.", metric="aner_scheduler_padding_rows_total")
+    prefix_cache_capacity: int = _stat(
+        "Shared prefixes the batching scheduler keeps at most (spare KV streams).", metric="aner_prefix_cache_capacity")
+    prefix_cache_entries: int = _stat(
+        "Shared prefixes the batching scheduler holds now.", metric="aner_prefix_cache_entries")
+    prefix_cache_retained_tokens: int = _stat(
+        "Prompt tokens the batching scheduler's shared prefixes hold now.", metric="aner_prefix_cache_retained_tokens")
+    prefix_cache_hits: int = _stat(
+        "Requests that started from a shared prefix instead of evaluating it.", metric="aner_prefix_cache_hits_total")
+    prefix_cache_reused_tokens: int = _stat(
+        "Prompt tokens copied from shared prefixes instead of evaluated.",
+        metric="aner_prefix_cache_reused_tokens_total")
+    prefix_cache_waits: int = _stat(
+        "Admissions deferred until a prompt being evaluated, sharing a long prefix, was retained.",
+        metric="aner_prefix_cache_waits_total")
     closed: bool = _stat("The scheduler accepts no more requests.")  # the monitor reads it as is
     running: bool = _stat("The scheduler thread is alive.")
 
@@ -532,7 +563,10 @@ def stat_fields(key: str) -> tuple[dataclasses.Field, ...]:
 
 
 # The scheduler's own counters (the other SchedulerStats fields are settings or read off its state).
-_COUNTED = ("completed", "cancelled", "failed", "steps", "evaluated_tokens", "decoded_tokens", "compactions", "padding_rows")
+_COUNTED = (
+    "completed", "cancelled", "failed", "steps", "evaluated_tokens", "decoded_tokens", "compactions", "padding_rows",
+    "prefix_cache_waits",
+)
 
 
 # -- the scheduler thread -------------------------------------------------------------------
@@ -560,6 +594,7 @@ class Scheduler:
         pair_columns: bool = False,
         name: str = "aner-scheduler",
         admission: AdmissionPolicy | None = None,
+        prefixes: SharedPrefixes | None = None,
     ) -> None:
         if batch.capacity < batch_tokens:
             raise ValueError(f"batch capacity {batch.capacity} < batch_tokens {batch_tokens}")
@@ -570,6 +605,7 @@ class Scheduler:
         self.queue_limit = queue_limit
         self.pair_columns = pair_columns
         self.admission: AdmissionPolicy = FifoAdmission() if admission is None else admission
+        self.prefixes = prefixes  # its streams are sequence ids >= max_sequences
         self._ctx = ctx
         self._batch = batch
         self._on_exit = on_exit
@@ -647,7 +683,13 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         with self._cv:
+            p = self.prefixes
             return SchedulerStats(
+                prefix_cache_capacity=p.capacity if p else 0,
+                prefix_cache_entries=len(p.entries) if p else 0,
+                prefix_cache_retained_tokens=p.retained_tokens() if p else 0,
+                prefix_cache_hits=p.hits if p else 0,
+                prefix_cache_reused_tokens=p.reused_tokens if p else 0,
                 max_sequences=self.max_sequences,
                 sequence_context=self.sequence_context,
                 queue_limit=self.queue_limit,
@@ -702,7 +744,7 @@ class Scheduler:
 
     def _admit_locked(self) -> list[Request]:
         """Start what the admission policy picks: each gets a free id next to the running ones."""
-        chosen = list(self.admission.admit(tuple(self._waiting), tuple(self._free)))
+        chosen = list(self.admission.admit(self._eligible_locked(), tuple(self._free)))
         if len(chosen) > len(self._free) or len(set(map(id, chosen))) < len(chosen):
             raise ValueError(
                 f"{type(self.admission).__name__} admitted a request twice or more requests than free sequence ids"
@@ -718,6 +760,28 @@ class Scheduler:
             admitted.append(r)
         return admitted
 
+    def _eligible_locked(self) -> tuple[Request, ...]:
+        """The queued requests that may start now: all of them, unless a shared prefix is worth waiting for.
+
+        A request waits while a prompt being evaluated (or one admitted ahead
+        of it in this pass) would, once retained, save it a long prefix.
+        """
+        p = self.prefixes
+        if p is None or not self._free:
+            return tuple(self._waiting)
+        evaluating = [r.job.prompt_tokens for r in self._active if r.prefilling]
+        eligible: list[Request] = []
+        for r in self._waiting:
+            if p.would_wait(r.job.prompt_tokens, evaluating):
+                if not r.deferred:
+                    r.deferred = True
+                    self._counts["prefix_cache_waits"] += 1
+                continue
+            eligible.append(r)
+            if len(eligible) <= len(self._free):  # those the policy can start in this pass
+                evaluating.append(r.job.prompt_tokens)
+        return tuple(eligible)
+
     def _has_work_locked(self) -> bool:
         return any(r.job.cancel.is_set() or r.prefilling or self._ready(r) for r in self._active)
 
@@ -731,7 +795,53 @@ class Scheduler:
         job.seq = r.seq
         r.out = SequenceOutput(self.model, job)  # its clock is the start of work
         job.add(QueueTimings(queue_duration=r.out.t_work - r.t_submit))
+        job.add(self._start_from_prefix(r))
         r.sampler = new_sampler(self.model, job.request, job.grammar, job.prompt_tokens)
+
+    def _start_from_prefix(self, r: Request) -> PoolTimings:
+        """Copy the best shared prefix into the request's stream; the pool timings say what was reused."""
+        p = self.prefixes
+        if p is None:
+            return PoolTimings(cached_input_tokens=0)  # no pool: every prompt is evaluated
+        t0 = _now()
+        with self._cv:
+            found = PrefixCacheTimings(
+                prefix_cache_hit=0, prefix_cache_entries=len(p.entries),
+                prefix_cache_retained_tokens=p.retained_tokens(),
+            )
+        entry, keep = p.lookup(r.job.prompt_tokens)
+        if entry is not None:
+            # Across streams the whole stream is copied (positions and cell indices kept) during the
+            # next llama_decode, before the batch runs; removing the tail here is bookkeeping only.
+            self._ctx.seq_cp(entry.seq, r.seq)
+            if self._ctx.trim(r.seq, keep):
+                with self._cv:
+                    p.used(entry, keep)
+            else:  # cannot happen with a full SWA cache; never continue from a partial copy
+                self._ctx.seq_rm(r.seq, 0, -1)
+                keep = 0
+        r.evaluated = r.cached = r.job.n_cached = keep
+        r.job.add(dataclasses.replace(found, prefix_cache_hit=int(keep > 0)))
+        return PoolTimings(cached_input_tokens=keep, context_clear_duration=_now() - t0, context_pool_reused=int(keep > 0))
+
+    def _retain(self, r: Request) -> None:
+        """Keep the prefix of a prompt that has just been evaluated in a spare stream, if worth it."""
+        p = self.prefixes
+        if p is None:
+            return
+        with self._cv:
+            placed = p.placement(r.job.prompt_tokens)
+        if placed is None:
+            return
+        seq, tokens = placed
+        self._ctx.seq_rm(seq, 0, -1)
+        self._ctx.seq_cp(r.seq, seq)  # the stream as it is now: exactly the prompt (queued before any decode row)
+        with self._cv:
+            if self._ctx.trim(seq, len(tokens)):
+                p.store(seq, tokens)
+            else:
+                self._ctx.seq_rm(seq, 0, -1)
+                p.drop(seq)
 
     def _compact(self) -> None:
         """Close gaps between active sequence ids (see :func:`compaction_moves`)."""
@@ -844,6 +954,7 @@ class Scheduler:
             if not r.prefilling:  # the whole prompt is in the KV: the first sampled token goes after it
                 r.pos = r.evaluated
                 r.out.prompt_eval_duration = t_done - r.out.t_work
+                self._retain(r)
         for seq, row in plan.sampled:
             self._sample(by_seq[seq], row)
 
@@ -890,7 +1001,7 @@ class Scheduler:
         """End an admitted request with its Response (``reason`` overrides, e.g. cancelled)."""
         out = r.out
         r.job.add(self._batch_timings(r))
-        out.evaluated_prompt_tokens = r.evaluated
+        out.evaluated_prompt_tokens = r.evaluated - r.cached
         response = out.response(reason)
         self._release(r)
         with self._cv:
@@ -901,6 +1012,7 @@ class Scheduler:
         """A request cancelled while still queued: a cancelled Response, no KV touched."""
         out = SequenceOutput(self.model, r.job)
         r.job.add(QueueTimings(queue_duration=out.t_work - r.t_submit))
+        r.job.add(PoolTimings(cached_input_tokens=0))
         r.job.add(self._batch_timings(r))
         out.evaluated_prompt_tokens = 0
         out.response("cancelled")

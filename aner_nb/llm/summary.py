@@ -33,6 +33,7 @@ __all__ = [
     "pooled_kv_bytes",
     "lease_holdings",
     "KV_EXCLUDES",
+    "ESTIMATE",
     "PER_REQUEST",
     "PER_LEASE",
     "SHARED",
@@ -46,7 +47,7 @@ PER_REQUEST = "per request"
 PER_LEASE = "per lease"
 SHARED = "shared across leases of one weights"
 _READ_BACK = "read back from llama.cpp"
-_ESTIMATE = "estimate (llama.cpp's allocation rule)"
+ESTIMATE = "estimate (llama.cpp's allocation rule)"
 
 
 def peak_rss_bytes() -> int:
@@ -209,7 +210,7 @@ def memory_summary(
         cpu_extra_buffers=weights.summary.cpu_extra_buffers,
         resident_kv_bytes=sum(map(context_kv_read_back, live)),
         resident=tuple(resident),
-        bounds=tuple(bounds) or (Holding("KV of this lease's context", 1, kv_bytes, kv_scope, _ESTIMATE),),
+        bounds=tuple(bounds) or (Holding("KV of this lease's context", 1, kv_bytes, kv_scope, ESTIMATE),),
     )
 
 
@@ -218,7 +219,7 @@ def pooled_kv_bytes(weights: Any, params: Any, estimate: int) -> tuple[int, str]
     for ctx in weights.native.contexts():
         if ctx.params == params:
             return context_kv_read_back(ctx), _READ_BACK
-    return estimate, _ESTIMATE
+    return estimate, ESTIMATE
 
 
 def lease_holdings(weights: Any, params: Any, kv_bytes: int, pool: Any, profile: Any) -> tuple[list[Holding], list[Holding]]:
@@ -236,14 +237,14 @@ def lease_holdings(weights: Any, params: Any, kv_bytes: int, pool: Any, profile:
         held = [Holding("retained prefix entries (contexts)", n, n * one, PER_LEASE, source)]
         bounds = [Holding(
             "prefix-cache contexts (prefix_cache_entries; the running request's included)", entries,
-            entries * kv_bytes, PER_LEASE, _ESTIMATE,
+            entries * kv_bytes, PER_LEASE, ESTIMATE,
         )]
     else:
         n = pool.idle
         idle = profile.max_idle_contexts
         held = [Holding("idle pooled contexts", n, n * one, PER_LEASE, source)]
         bounds = [
-            Holding("the running request's context", 1, kv_bytes, PER_REQUEST, _ESTIMATE),
-            Holding("idle pooled contexts (max_idle_contexts)", idle, idle * kv_bytes, PER_LEASE, _ESTIMATE),
+            Holding("the running request's context", 1, kv_bytes, PER_REQUEST, ESTIMATE),
+            Holding("idle pooled contexts (max_idle_contexts)", idle, idle * kv_bytes, PER_LEASE, ESTIMATE),
         ]
     return held, bounds

@@ -259,10 +259,23 @@ class LLMMagics(Magics):
         settings = {k: getattr(args, k) for k in _OPTIMIZER if getattr(args, k) is not None}
         self._derive("optimize", args.src, args.name, "with_optimizer", **settings)
 
-    _llm_batch = _derives(
-        "batch", "with_batching", "max_sequences",
-        description="Derive a continuous-batching (throughput) lease serving up to N sequences at once.",
+    @subcommand(
+        "batch",
+        usage="%llm batch SRC --as NAME --max-sequences N [--prefix-cache-entries N] [--prefix-cache-tokens N]",
+        description="Derive a continuous-batching (throughput) lease serving up to N sequences at once; "
+        "with --prefix-cache-entries, evaluated prompt prefixes (a shared system prompt) are kept and copied "
+        "into later requests instead of evaluated again.",
+        python="NAME = SRC.with_batching(N, prefix_cache_entries=N, prefix_cache_tokens=N)",
     )
+    @_SOURCE
+    @_NEW_HANDLE
+    @argument("--max-sequences", type=int_arg, metavar="N", required=True)
+    @argument("--prefix-cache-entries", type=int_arg, metavar="N")
+    @argument("--prefix-cache-tokens", type=int_arg, metavar="N")
+    def _llm_batch(self, args: Any) -> None:
+        settings = {k: getattr(args, k) for k in ("prefix_cache_entries", "prefix_cache_tokens")
+                    if getattr(args, k) is not None}
+        self._derive("batch", args.src, args.name, "with_batching", args.max_sequences, **settings)
 
     @subcommand(
         "adapter",
