@@ -31,6 +31,28 @@ causes (a near tie).
 
 Targets: 4 uniform clients >= 1.75x the serial throughput, 4 mixed clients >= 1.25x.
 
+``shared`` (``--workloads shared``, see :func:`measure_shared`): N clients
+share one system prompt of about ``--system-tokens`` (1,500) tokens and
+each asks ``--questions`` (2) different short questions one after another
+(a closed loop: the next question is sent when the answer has arrived).
+Every round uses a new system prompt (a different ledger), so every side
+starts each run with nothing cached for it, as when a new application
+starts sending its prompt. Sides, rotated ABC/CBA over the rounds after one
+warm-up run each:
+
+- ``plain``: ``with_batching(N)`` (every request evaluates the whole prompt);
+- ``shared``: ``with_batching(N, prefix_cache_entries=2)``;
+- ``server`` (with ``--llama-server PATH``): llama.cpp's server, ``-np N``,
+  ``--cache-prompt``, same context per sequence, same ``-t``/``-tb`` threads,
+  same ``-b``/``-ub`` batch sizes, streamed ``/completion`` requests carrying
+  the same prompt token ids.
+
+Reported: aggregate completion tokens per wall second, the median
+first-token latency of all requests (client send to first token), the
+plain/shared first-token ratio (target >= 5x) and the shared/server
+throughput ratio (target >= 1.2x at 4 and 8 clients), prompt tokens taken
+from shared prefixes, and how many outputs equal the plain side's.
+
 Run: ``python benchmarks/bench_batching.py [--rounds 3] [--clients 4 8] [--max-tokens 128]
 [--json out.json] [--markdown section.md]``.
 Smoke: ``python benchmarks/bench_batching.py --rounds 1 --clients 2 --max-tokens 8``.
@@ -204,6 +226,176 @@ def measure(serial, kind: str, clients: int, args) -> dict:
 
 TARGETS = {("uniform", 4): 1.75, ("mixed", 4): 1.25}
 
+SHARED_ENTRIES = 2
+
+
+def shared_workload(lease, clients: int, questions: int, system_tokens: int, seed: int) -> list[list[list[dict]]]:
+    """Per client, its ``questions`` conversations: one system prompt (a ledger of about
+    ``system_tokens`` tokens, different for each ``seed``) and a different short question each."""
+    from _workloads import evidence_of_tokens
+
+    system = "Answer questions about this ledger briefly.\n" + evidence_of_tokens(lease, system_tokens, seed=seed)
+    return [
+        [[{"role": "system", "content": system}, {"role": "user", "content": TOPICS[(c * questions + q) % len(TOPICS)]}]
+         for q in range(questions)]
+        for c in range(clients)
+    ]
+
+
+def _closed_loop(clients: int, ask) -> tuple[float, list]:
+    """Each client thread calls ``ask(client)`` (it returns that client's outcomes); all start together."""
+    outcomes: list = [None] * clients
+    barrier = threading.Barrier(clients + 1)
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            outcomes[i] = ask(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = _now()
+    for t in threads:
+        t.join()
+    wall = (_now() - t0) / 1e9
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
+    return wall, [x for per_client in outcomes for x in per_client]
+
+
+def _lease_side(lease, conversations, max_tokens: int):
+    def ask(i: int) -> list[tuple[float, tuple[int, ...], int]]:
+        out = []
+        for messages in conversations[i]:
+            t0 = _now()
+            s = lease.stream(messages, max_tokens=max_tokens)
+            first = None
+            for _ in s:
+                if first is None:
+                    first = _now()
+            end = _now()
+            r = s.response
+            out.append((((first or end) - t0) / 1e6, r.tokens, r.timings.cached_input_tokens))
+        return out
+
+    return _closed_loop(len(conversations), ask)
+
+
+def _server_side(url: str, tokenized, max_tokens: int):
+    import httpx
+    from bench_llama_server import stream_completion
+
+    def ask(i: int) -> list[tuple[float, tuple[int, ...], int]]:
+        with httpx.Client() as client:
+            out = []
+            for tokens in tokenized[i]:
+                ttft, got = stream_completion(client, url, tokens, max_tokens)
+                out.append((ttft * 1000.0, tuple(got), -1))
+            return out
+
+    return _closed_loop(len(tokenized), ask)
+
+
+def measure_shared(serial, clients: int, args) -> dict:
+    """The shared-prefix workload at ``clients`` (see the module docstring)."""
+    sides = ["plain", "shared"] + (["server"] if args.llama_server else [])
+    plain = serial.with_batching(clients)
+    shared = serial.with_batching(clients, prefix_cache_entries=SHARED_ENTRIES)
+    proc = url = None
+    if args.llama_server:
+        from bench_llama_server import start_server
+
+        # Same cells per sequence as the leases (context // clients each), threads and batch sizes.
+        proc, url = start_server(args.llama_server, serial.path, clients, plain.sequence_context * clients,
+                                 args.threads, cache_prompt=True, batch=(args.batch_tokens, args.batch_tokens))
+    tput = {s: [] for s in sides}
+    first = {s: [] for s in sides}
+    cached = {s: [] for s in sides}
+    identical = {s: 0 for s in sides}
+    compared = 0
+    paired_tput, paired_first = [], []
+
+    def run(side: str, seed: int):
+        conversations = shared_workload(serial, clients, args.questions, args.system_tokens, seed)
+        if side == "server":
+            tokenized = [[serial.prompt_tokens(m) for m in per_client] for per_client in conversations]
+            return _server_side(url, tokenized, args.max_tokens)
+        return _lease_side(plain if side == "plain" else shared, conversations, args.max_tokens)
+
+    try:
+        for side in sides:  # warm-up, its own system prompt
+            run(side, seed=7)
+        for r in range(args.rounds):
+            seed = 1000 + r  # a new system prompt each round: nothing cached for it on any side
+            order = sides if r % 2 == 0 else list(reversed(sides))
+            outs = {}
+            for side in order:
+                wall, outcomes = run(side, seed)
+                outs[side] = outcomes
+                tput[side].append(sum(len(o[1]) for o in outcomes) / wall)
+                first[side] += [o[0] for o in outcomes]
+                cached[side] += [o[2] for o in outcomes]
+            for side in sides:
+                identical[side] += sum(a[1] == b[1] for a, b in zip(outs["plain"], outs[side]))
+            compared += len(outs["plain"])
+            round_first = {s: statistics.median(o[0] for o in outs[s]) for s in sides}
+            paired_first.append(round_first["plain"] / round_first["shared"])
+            if "server" in sides:
+                paired_tput.append(tput["shared"][-1] / tput["server"][-1])
+        stats = shared.stats()
+    finally:
+        plain.close()
+        shared.close()
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    med_first = {s: statistics.median(v) for s, v in first.items()}
+    med_tput = {s: statistics.median(v) for s, v in tput.items()}
+    return {
+        "workload": "shared",
+        "clients": clients,
+        "questions_per_client": args.questions,
+        "system_tokens": len(serial.prompt_tokens(shared_workload(serial, 1, 1, args.system_tokens, 1000)[0][0]))
+        - len(serial.prompt_tokens([{"role": "user", "content": TOPICS[0]}])),
+        "throughput_tok_s": {s: summarize(v) for s, v in tput.items()},
+        "first_token_ms": {s: summarize(v) for s, v in first.items()},
+        "first_token_ratio_plain_over_shared": med_first["plain"] / med_first["shared"],
+        "paired_first_token_ratio": summarize(paired_first),
+        "throughput_ratio_shared_over_server": (med_tput["shared"] / med_tput["server"]) if "server" in sides else None,
+        "paired_throughput_ratio": summarize(paired_tput) if paired_tput else None,
+        "cached_input_tokens_shared": summarize(cached["shared"]),
+        "identical_to_plain": identical,
+        "compared_outputs": compared,
+        "prefix_cache": {"hits": stats.prefix_cache_hits, "reused_tokens": stats.prefix_cache_reused_tokens,
+                         "waits": stats.prefix_cache_waits, "entries": stats.prefix_cache_entries},
+    }
+
+
+def report_shared(result: dict) -> str:
+    n, t, f = result["clients"], result["throughput_tok_s"], result["first_token_ms"]
+    lines = [f"shared prefix, {n} clients x {result['questions_per_client']} questions, system prompt "
+             f"~{result['system_tokens']} tokens"]
+    for side in t:
+        lines.append(f"  {side:<7} {t[side]['median']:8.1f} tok/s (min {t[side]['min']:.1f}, max {t[side]['max']:.1f})  "
+                     f"first token median {f[side]['median']:8.1f} ms (min {f[side]['min']:.1f}, max {f[side]['max']:.1f})  "
+                     f"outputs equal to plain {result['identical_to_plain'][side]}/{result['compared_outputs']}")
+    p = result["paired_first_token_ratio"]
+    lines.append(f"  first token plain/shared: {result['first_token_ratio_plain_over_shared']:.2f}x (target >= 5x); "
+                 f"per-round {p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f})")
+    if result["throughput_ratio_shared_over_server"] is not None:
+        q = result["paired_throughput_ratio"]
+        lines.append(f"  throughput shared/server: {result['throughput_ratio_shared_over_server']:.2f}x (target >= 1.2x); "
+                     f"per-round {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f})")
+    c = result["cached_input_tokens_shared"]
+    lines.append(f"  shared side: cached input tokens per request median {c['median']:.0f} (min {c['min']:.0f}); "
+                 f"scheduler {result['prefix_cache']}")
+    return "\n".join(lines)
+
 
 def report(result: dict) -> str:
     kind, n = result["workload"], result["clients"]
@@ -250,6 +442,8 @@ def markdown(results: list[dict], manifest: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        if r["workload"] == "shared":
+            continue  # reported in its own table below
         t, f, c = r["throughput_tok_s"], r["first_token_ms"], r["completion_ms"]
         target = TARGETS.get((r["workload"], r["clients"]))
         out.append(
@@ -261,6 +455,19 @@ def markdown(results: list[dict], manifest: dict) -> str:
             f"| {c['serial']['median']:.0f}, {c['serial']['max']:.0f} / {c['batched']['median']:.0f}, {c['batched']['max']:.0f} "
             f"| {r['identical_outputs']}/{r['compared_outputs']} |"
         )
+    shared = [r for r in results if r["workload"] == "shared"]
+    if shared:
+        out += [
+            "",
+            "| clients x questions | side | tok/s median (min-max) | first token ms median (min-max) | equal to plain |",
+            "|---|---|---|---|---|",
+        ]
+        for r in shared:
+            for side, t in r["throughput_tok_s"].items():
+                f = r["first_token_ms"][side]
+                out.append(f"| {r['clients']} x {r['questions_per_client']} | {side} | {t['median']:.1f} "
+                           f"({t['min']:.1f}-{t['max']:.1f}) | {f['median']:.0f} ({f['min']:.0f}-{f['max']:.0f}) "
+                           f"| {r['identical_to_plain'][side]}/{r['compared_outputs']} |")
     return "\n".join(out) + "\n"
 
 
@@ -268,7 +475,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed", "shared"])
+    parser.add_argument("--questions", type=int, default=2, help="shared: questions each client asks in turn")
+    parser.add_argument("--system-tokens", type=int, default=1500, help="shared: system prompt length")
+    parser.add_argument("--batch-tokens", type=int, default=512,
+                        help="batch and micro-batch tokens of every side (llama-server -b/-ub too)")
+    parser.add_argument("--llama-server", default=None, help="shared: also measure this llama-server binary")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -279,15 +491,20 @@ def main() -> None:
 
     path = str(demo_model_path())
     base = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention=args.flash_attention)
-    serial = base.with_optimizer(threads=args.threads, prefill_threads=args.threads)
+    serial = base.with_optimizer(threads=args.threads, prefill_threads=args.threads,
+                                 batch_tokens=args.batch_tokens, micro_batch_tokens=args.batch_tokens)
     manifest = bench.manifest(serial, threads=args.threads, rounds=args.rounds, max_tokens=args.max_tokens,
-                              flash_attention=args.flash_attention)
+                              flash_attention=args.flash_attention, batch_tokens=args.batch_tokens)
     results = []
     for kind in args.workloads:
         for clients in args.clients:
-            result = measure(serial, kind, clients, args)
+            if kind == "shared":
+                result = measure_shared(serial, clients, args)
+                print(report_shared(result), flush=True)
+            else:
+                result = measure(serial, kind, clients, args)
+                print(report(result), flush=True)
             results.append(result)
-            print(report(result), flush=True)
     serial.close()
     base.close()
     if args.json:

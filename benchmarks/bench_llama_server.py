@@ -10,7 +10,10 @@ on the same machine and the same day:
 - ``parallel``: every request at once, one client thread each, ``--parallel N`` slots.
 
 One server per client count (``-np N``, ``-c`` = context, threads as given,
-prompt cache off), ABBA rounds after one warm-up of each side. Reported:
+prompt cache off), ABBA rounds after one warm-up of each side. The
+shared-prefix workload runs in ``bench_batching.py --workloads shared
+--llama-server PATH`` instead (prompt cache on, ``stream_completion``), so
+that both engines are measured in one run. Reported:
 completed tokens per wall second (median, min, max), the ratio of medians and
 the median of per-round ratios, and how many parallel outputs equal the serial ones.
 
@@ -29,6 +32,7 @@ Run: ``python benchmarks/bench_llama_server.py --server /tmp/lcpbuild/bin/llama-
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -52,10 +56,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(binary: str, model: str, slots: int, context: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(
+    binary: str, model: str, slots: int, context: int, threads: int, *, cache_prompt: bool = False,
+    batch: tuple[int, int] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """A llama-server on a free port: ``-np slots``, ``-c context``, ``-t``/``-tb threads``; prompt cache
+    off unless ``cache_prompt``; ``batch`` = (``-b``, ``-ub``) when given."""
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(context),
-           "-t", str(threads), "-tb", str(threads), "--no-cache-prompt", "--no-webui", "-fa", "auto"]
+           "-t", str(threads), "-tb", str(threads), "--cache-prompt" if cache_prompt else "--no-cache-prompt",
+           "--no-webui", "-fa", "auto"]
+    if batch is not None:
+        cmd += ["-b", str(batch[0]), "-ub", str(batch[1])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -78,6 +90,27 @@ def complete(client: httpx.Client, url: str, tokens: list[int], n_predict: int) 
     r = client.post(f"{url}/completion", json=body, timeout=600)
     r.raise_for_status()
     return list(r.json()["tokens"])
+
+
+def stream_completion(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> tuple[float, list[int]]:
+    """One streamed /completion with the prompt cache on: (seconds to the first token, the tokens)."""
+    body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
+            "stream": True, "return_tokens": True}
+    t0 = time.perf_counter()
+    first, out = None, []
+    with client.stream("POST", f"{url}/completion", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            got = event.get("tokens") or []
+            if got and first is None:
+                first = time.perf_counter() - t0
+            out += got
+            if event.get("stop"):
+                break
+    return (time.perf_counter() - t0 if first is None else first), out
 
 
 def serial_run(url: str, requests) -> tuple[float, list[list[int]]]:
