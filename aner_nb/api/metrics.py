@@ -22,7 +22,8 @@ Families (names in base units: ``_seconds``, ``_bytes``; counters end in ``_tota
   ``aner_prefill_duration_seconds``, ``aner_decode_duration_seconds`` (the
   library's timings of finished requests), ``aner_http_in_flight``,
   ``aner_http_capacity``, and a batching lease's scheduler families
-  (``aner_queue_length``, ``aner_active_sequences``, ...);
+  (``aner_queue_length``, ``aner_active_sequences``, ...), ``aner_native_contexts``
+  (live llama.cpp contexts on the model's weights: a leak check);
 - ``process_resident_memory_bytes``.
 
 The text is ``prometheus_client.generate_latest`` of the app's own registry
@@ -125,7 +126,7 @@ class ServiceMetrics:
 
 
 class _ScrapeTimeCollector:
-    """Gauges read when ``/metrics`` is scraped: in flight, capacity, scheduler stats, resident memory."""
+    """Gauges read when ``/metrics`` is scraped: in flight, capacity, scheduler stats, native contexts, RSS."""
 
     def __init__(self, mounts: Callable[[], Iterable[Any]]) -> None:
         self._mounts = mounts
@@ -148,6 +149,13 @@ class _ScrapeTimeCollector:
             for name, stats in batching:
                 family.add_metric([name], getattr(stats, f.name))
             yield family
+        # A leak check from outside (benchmarks/soak.py samples it): a served model should hold the
+        # same contexts after a million requests as after ten.
+        contexts = GaugeMetricFamily("aner_native_contexts",
+                                     "Live llama.cpp contexts on the served model's weights.", labels=["model"])
+        for m in mounts:
+            contexts.add_metric([m.name], m.model.memory_summary().live_contexts)
+        yield contexts
         rss = GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of this process (bytes).")
         rss.add_metric([], psutil.Process().memory_info().rss)
         yield rss
