@@ -438,13 +438,17 @@ def test_the_scheduler_thread_raising_fails_every_request_and_closes_the_lease(b
     serving = base.with_batching(2)
     scheduler = serving._scheduler
     ctx = scheduler._ctx
-    # Not an EngineError: nothing in the step handles it, so it ends the scheduler thread. It fires
-    # once all three requests were submitted (two running, one queued), so none is refused as closed.
-    def all_submitted(*_):
-        stats = serving.stats()
-        return stats.admitted + stats.waiting >= 3
+    # Not an EngineError: nothing in the step handles it, so it ends the scheduler thread. The first
+    # decode holds the thread until all three requests were submitted (the others wait in the queue
+    # meanwhile), then raises: none finished early or was refused as closed, however slow the machine.
+    def wait_for_all_submitted(*_):
+        while True:
+            stats = serving.stats()
+            if stats.admitted + stats.waiting >= 3:
+                return
+            threading.Event().wait(0.005)
 
-    with inject(Fault("decode", error=RuntimeError("a bug in the scheduler"), when=all_submitted)) as injection:
+    with inject(Fault("decode", error=RuntimeError("a bug in the scheduler"), action=wait_for_all_submitted)) as injection:
         out = run_all(serving, PROMPTS[:3])
         assert injection.fired() == 1
     scheduler.thread.join(10)
@@ -480,3 +484,20 @@ def test_the_seam_is_off_by_default_validates_and_does_not_nest(base):
                 outcomes.append("failed")
         assert outcomes == ["ok", "failed", "failed", "ok"] and injection.fired() == 2
     assert _engine._faults is None
+
+
+def test_a_failing_free_at_scheduler_teardown_still_frees_the_context(base, solo):
+    """Closing a batching lease whose batch refuses to be freed: the context and the weights' hold
+    are released anyway, and the weights keep serving."""
+    contexts = base._weights.native.live_contexts()
+    serving = base.with_batching(2)
+    assert serving.generate(PROMPT, max_tokens=N).tokens == solo[PROMPT]
+    scheduler = serving._scheduler
+    ctx, batch = scheduler._ctx, scheduler._batch
+    with inject(Fault("free", when=lambda owner: owner is batch)) as injection:
+        serving.close()
+        assert injection.fired("free") == 1
+    assert not scheduler.thread.is_alive() and not ctx.alive
+    assert base._weights.native.live_contexts() == contexts
+    assert not batch.alive  # the lease's own release (after the teardown) freed it on a second try
+    assert base.generate(PROMPT, max_tokens=N).tokens == solo[PROMPT]

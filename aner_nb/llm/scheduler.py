@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, Sampler
+from .context_pool import free_all
 from .errors import BusyError, ClosedError, EngineError
 from .response import Response
 from .runner import Job, SequenceOutput
@@ -1057,13 +1058,13 @@ class Scheduler:
         reason = f"the batching scheduler stopped: {error}" if error is not None else "the batching lease was shut down"
         try:
             for r in left:
-                if r.sampler is not None:
-                    r.sampler.free()
                 if r.error is None and not r.finished.is_set():
                     r.error = EngineError(reason)
                     self._signal(r)
-            self._batch.free()
-            self._ctx.free()
+            # Every owner is freed even if freeing one raises (the first error is logged below).
+            free_all([*(r.sampler for r in left if r.sampler is not None), self._batch, self._ctx])
+        except BaseException:
+            log.exception("freeing the batching scheduler's native state failed")
         finally:
             _live.discard(self)
             self._on_exit()
