@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -12,6 +13,28 @@ import atheris
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIME_BOUND_S = 2.0  # CPU seconds per input, as in tests/fixtures/bounds.py
+
+
+def scratch_dir(name: str) -> str:
+    """A folder for this process's input files, in ``/dev/shm`` when there is one.
+
+    libFuzzer ends the process with C ``exit()``, so Python's ``atexit`` never
+    runs; instead each start removes the scratch folders of processes that are gone.
+    """
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    prefix = f"aner-fuzz-{name}-scratch-"
+    for entry in os.listdir(base):
+        if entry.startswith(prefix) and entry[len(prefix):].isdigit():
+            try:
+                os.kill(int(entry[len(prefix):]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+            except OSError:
+                pass  # alive, another user's
+    path = os.path.join(base, f"{prefix}{os.getpid()}")
+    shutil.rmtree(path, ignore_errors=True)
+    os.mkdir(path, 0o700)
+    return path
 
 
 class TooSlow(AssertionError):

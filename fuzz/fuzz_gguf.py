@@ -19,12 +19,11 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import tempfile
 
 import atheris
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import main, timed  # noqa: E402
+from _common import main, scratch_dir, timed  # noqa: E402
 
 from aner_nb.llm.errors import AdapterError, InvalidArtifactError  # noqa: E402
 
@@ -34,8 +33,7 @@ with atheris.instrument_imports(include=["aner_nb.llm.artifact"]):
     artifact = importlib.reload(importlib.import_module("aner_nb.llm.artifact"))
 inspect_model, inspect_adapter = artifact.inspect_model, artifact.inspect_adapter
 
-_DIR = tempfile.mkdtemp(prefix="aner-fuzz-gguf-input-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-PATH = os.path.join(_DIR, "input.gguf")
+PATH = os.path.join(scratch_dir("gguf"), "input.gguf")
 FD = os.open(PATH, os.O_RDWR | os.O_CREAT, 0o600)
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import tempfile
 
 import atheris
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import main, timed  # noqa: E402
+from _common import main, scratch_dir, timed  # noqa: E402
 
 from aner_nb.llm.errors import AdapterError  # noqa: E402
 
@@ -31,7 +30,7 @@ with atheris.instrument_imports(include=["aner_nb.llm.adapters"]):
 parse_manifest, read_manifest, resolve_adapter_file = (
     adapters.parse_manifest, adapters.read_manifest, adapters.resolve_adapter_file)
 
-_ROOT = tempfile.mkdtemp(prefix="aner-fuzz-manifest-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+_ROOT = scratch_dir("manifest")
 FOLDER = os.path.realpath(os.path.join(_ROOT, "folder"))
 os.mkdir(FOLDER)
 os.mkdir(os.path.join(FOLDER, "sub"))
