@@ -17,7 +17,7 @@ import time
 import pytest
 
 from aner_nb import llm
-from aner_nb.llm import _engine
+from aner_nb.llm import _engine, errors
 from aner_nb.llm.profiles import OptimizerSettings
 
 CTX = 512
@@ -203,3 +203,15 @@ def test_a_queued_batched_request_cancelled_before_admission_never_runs(base):
         stats = serving.stats()
         assert (stats.waiting, stats.admitted, stats.cancelled) == (0, 1, 1)  # never admitted
         assert "".join(holder) == solo.text and holder.response.tokens == solo.tokens
+
+
+@pytest.mark.parametrize("digest", ["a" * 64 + "\n", "A" * 64, "a" * 63, None])
+def test_a_profile_names_its_adapter_by_an_exact_lowercase_digest(digest):
+    from aner_nb.llm.profiles import Profile
+
+    if digest is None:
+        assert Profile(adapter="0" * 64).adapter == "0" * 64
+        return
+    with pytest.raises(errors.ConfigurationError) as info:
+        Profile(adapter=digest)
+    assert info.value.param == "adapter" and "lowercase SHA-256" in str(info.value)

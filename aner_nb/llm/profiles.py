@@ -52,7 +52,7 @@ def choice_or_env(value: str | None, env: str, allowed: tuple[str, ...], default
     return from_env
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "metal", "mps")
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # fullmatch: no trailing newline
 
 
 def int_in(name: str, value: Any, low: int, high: int, error: type[LLMError] = ConfigurationError) -> int:
@@ -169,8 +169,10 @@ class Profile:
     def __post_init__(self) -> None:
         int_in("max_idle", self.max_idle_contexts, 0, 4)
         int_in("max_sequences", self.max_sequences, 0, 64)
-        if self.adapter is not None and not (isinstance(self.adapter, str) and _SHA256.match(self.adapter)):
-            raise ConfigurationError(f"adapter must be None or a lowercase SHA-256 hex digest, got {self.adapter!r}")
+        if self.adapter is not None and not (isinstance(self.adapter, str) and _SHA256.fullmatch(self.adapter)):
+            raise ConfigurationError(
+                f"adapter must be None or a lowercase SHA-256 hex digest, got {self.adapter!r}", param="adapter"
+            )
 
     @property
     def kind(self) -> str:
