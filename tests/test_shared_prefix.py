@@ -276,3 +276,20 @@ def test_memory_summary_counts_the_shared_prefix_streams(fixture_models):
     held = {h.what.split(" (")[0]: h for h in b.resident}
     assert held["shared prefixes"].count == 1 and held["shared prefixes"].scope == "per lease"
     assert "2 shared-prefix streams" in b.kv_scope and not any(h.what.startswith("shared prefixes") for h in a.resident)
+
+
+def test_an_entry_survives_a_request_that_failed_after_copying_it(fixture_models):
+    from aner_nb.llm._engine import Fault, inject
+
+    with llm.load(fixture_models["llama"], context=CTX) as base:
+        alone = base.chat(conversation(QUESTIONS[2]), max_tokens=MAX_TOKENS)
+        with base.with_batching(2, prefix_cache_entries=1) as serving:
+            serving.chat(conversation(QUESTIONS[0]), max_tokens=MAX_TOKENS)  # makes the entry
+            with inject(Fault("decode", result=-1)) as injection:  # the next step fails: llama_decode error
+                with pytest.raises(errors.EngineError):
+                    serving.chat(conversation(QUESTIONS[1]), max_tokens=MAX_TOKENS)
+                assert injection.fired("decode") == 1
+            after = serving.chat(conversation(QUESTIONS[2]), max_tokens=MAX_TOKENS)
+            stats = serving.stats()
+        assert after.tokens == alone.tokens and after.timings.prefix_cache_hit == 1
+        assert stats.failed == 1 and stats.prefix_cache_hits == 2 and stats.prefix_cache_entries == 1
