@@ -125,3 +125,32 @@ def test_keepalive_comments_pass_through_nginx(llama_path, tmp_path):
             nginx.stop(proxy)
     finally:
         nginx.stop(replica)
+
+
+def test_a_stream_closed_just_as_its_source_ended_leaves_no_unretrieved_task():
+    """The client leaves while a keep-alive was out and the source has meanwhile ended: the finished
+    ``__anext__`` task's StopAsyncIteration is retrieved, so asyncio logs nothing."""
+    import asyncio
+    import gc
+
+    from aner_nb.api.sse import with_keepalive
+
+    reported: list = []
+
+    async def source():
+        await asyncio.sleep(0.05)
+        return
+        yield  # pragma: no cover - an async generator that ends without an item
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx))
+        stream = with_keepalive(source(), keepalive_s=0.01)
+        assert await stream.__anext__() is None  # a keep-alive while the source still waits
+        await asyncio.sleep(0.1)  # the source ends meanwhile; nobody asks for the next item
+        await stream.aclose()  # the client went away
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [c for c in reported if "never retrieved" in str(c.get("message", ""))], reported

@@ -58,11 +58,16 @@ async def with_keepalive(items: AsyncIterator[str], keepalive_s: float) -> Async
                 return
             yield item
     finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            # Let ``items`` see its cancellation before the caller goes on (the response then aborts the
-            # generation; ``items`` must learn first that its client went away, to count it as such).
-            await asyncio.wait({pending})
+        if pending is not None:
+            if not pending.done():
+                pending.cancel()
+                # Let ``items`` see its cancellation before the caller goes on (the response then aborts the
+                # generation; ``items`` must learn first that its client went away, to count it as such).
+                await asyncio.wait({pending})
+            if not pending.cancelled():
+                # It may have ended (e.g. StopAsyncIteration) just as the client left: mark its outcome
+                # retrieved, or asyncio logs "Task exception was never retrieved".
+                pending.exception()
 
 
 class EventStream(StreamingResponse):
