@@ -205,6 +205,23 @@ def test_kv_budget_of_a_lease_matches_the_formula(model):
     assert kb.budget_bytes == DEFAULT_BUDGET_BYTES == 8 * 2**30
 
 
+@pytest.mark.parametrize("slots", [1, 3])
+def test_the_largest_context_in_budget_is_the_largest_that_fits(slots):
+    """Weights + every slot's KV fit the budget at the reported context, and 256 cells more (llama.cpp's
+    allocation block) would not, unless the model's declared context caps it."""
+    facts = {"name": "m", "layers": 4, "kv_heads": 2, "head_dim": 64, "context_length": 1 << 20}
+    for budget in (3 * 2**20, 20 * 2**20 + 12345):
+        kb = kv_budget(facts, budget_bytes=budget, slots=slots)
+        for kind in ("f16", "q8_0", "q4_0"):
+            best = kb.max_context(kind)
+            assert best > 0 and best % 256 == 0
+            assert kb.total_kv_bytes(kind, best) <= budget
+            assert best == kb.context_limit or budget < kb.total_kv_bytes(kind, best + 256)
+        assert kb.max_context("f16") < kb.context_limit  # the small budget binds for f16 at least
+    capped = kv_budget({**facts, "context_length": 1000}, budget_bytes=2**30)
+    assert capped.max_context("f16") == 1000
+
+
 def test_kv_budget_with_different_k_and_v_head_dims(tmp_path):
     path = write_tiny_model(
         tmp_path / "kv.gguf", "llama", metadata={"llama.attention.key_length": 32, "llama.attention.value_length": 64}

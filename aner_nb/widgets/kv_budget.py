@@ -198,11 +198,11 @@ class KVBudget(StaticView):
 
     def max_context(self, kv_cache_type: str | None = None) -> int | None:
         """The largest context whose weights + KV (all slots) fit the budget, capped at ``context_limit``."""
-        one = self.kv_bytes(kv_cache_type, 1)
-        if one is None:
+        block = self.kv_bytes(kv_cache_type, KV_CELL_PADDING)  # llama.cpp allocates cells in blocks of 256
+        if block is None:
             return None
         free = self.budget_bytes - max(self.facts.weights_bytes, 0)
-        return max(0, min(free // (one * self.slots), self.context_limit))
+        return max(0, min(free // (block * self.slots) * KV_CELL_PADDING, self.context_limit))
 
     def to_frame(self) -> Any:
         """One row per KV type: row bytes, KV bytes, weights + KV, fit and the largest fitting context."""
