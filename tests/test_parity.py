@@ -65,8 +65,8 @@ def reference_tokens(path, prompt_tokens, max_tokens, *, flash, n_threads, n_thr
         ref.close()
 
 
-def assert_greedy_parity(path, *, flash, context=CTX, kv="f16"):
-    with llm.load(path, context=context, flash_attention="on" if flash else "off", kv_cache_type=kv) as model:
+def assert_greedy_parity(path, *, flash, context=CTX, kv="f16", **load):
+    with llm.load(path, context=context, flash_attention="on" if flash else "off", kv_cache_type=kv, **load) as model:
         for prompt in PROMPTS:
             response = model.generate(prompt, max_tokens=24)
             timings = response.timings
@@ -94,6 +94,14 @@ def test_greedy_tokens_equal_llama_cpp_python(fixture_models, family, flash):
 def test_quantized_kv_greedy_tokens_equal_llama_cpp_python(fixture_models, family, kv):
     """A quantized KV cache (flash attention on: llama.cpp stores a quantized V only through it)."""
     assert_greedy_parity(fixture_models[family], flash=True, kv=kv)
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_quantized_kv_on_the_demo_model_equals_llama_cpp_python(kv):
+    """The real demo model (gemma3, sliding window) with a quantized KV cache, against ``Llama``."""
+    from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+
+    assert_greedy_parity(demo_model_path(), flash=True, kv=kv, chat_template=DEMO_CHAT_TEMPLATE)
 
 
 def test_quantized_kv_is_refused_at_load_when_heads_do_not_fill_whole_blocks(tmp_path):
