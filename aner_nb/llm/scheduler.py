@@ -52,7 +52,11 @@ the next ``llama_decode``, before the batch runs, in the order the copies
 were asked for), the positions past the common prefix are removed, and
 only the rest is evaluated; the copied cells keep their indices, so they
 sit in position order at the start of the stream exactly as if evaluated
-there, and output still equals a solo run. A prompt is retained when its
+there. Output equals a solo run when the prompt is evaluated in the same
+chunks (the fixtures' single-chunk prompts); a prompt split at other chunk
+boundaries (a copied prefix, or a step budget shared with other prompts,
+as in plain batching) can round differently in llama.cpp's CPU kernels and
+flip a near tie, as a solo lease with another ``batch_tokens`` can. A prompt is retained when its
 evaluation ends. A queued request that shares a long prefix with a prompt
 being evaluated waits for it instead of evaluating the same tokens beside
 it (:func:`~aner_nb.llm.shared_prefix.waits_for`).
