@@ -9,8 +9,6 @@ batching leases must never share entries.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -18,6 +16,7 @@ from aner_nb import llm
 from aner_nb.llm import errors
 from aner_nb.llm.prefix_pool import common_prefix_length
 from aner_nb.llm.shared_prefix import PrefixEntry, SharedPrefixes, best_entry, retention_stream, waits_for
+from test_batching import concurrently
 
 CTX = 2048
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8
@@ -27,25 +26,6 @@ MAX_TOKENS = 12
 
 def conversation(question: str, system: str = SYSTEM) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def concurrently(fn, n):
-    out: list = [None] * n
-    barrier = threading.Barrier(n)
-
-    def run(i):
-        barrier.wait()
-        try:
-            out[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 # -- policy ---------------------------------------------------------------------------------------
