@@ -197,7 +197,11 @@ def test_odd_logits_counts_are_padded_without_changing_outputs(fixture_models, a
         source = base.with_optimizer(batch_tokens=batch_tokens, micro_batch_tokens=batch_tokens)
         with source.with_batching(6) as serving:
             assert serving._scheduler.pair_columns
-            batched = concurrently(lambda i: serving.generate(prompts[i], max_tokens=max_tokens[i]), n)
+            # Holding the scheduler's lock (re-entrant: submission takes it too) while submitting admits
+            # all five in one cycle, so the steps, and the padding they need, are the same on every run.
+            with serving._scheduler._cv:
+                streams = [serving.stream(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+            batched = concurrently(lambda i: read_response(streams[i]), n)
             stats = serving.stats()
             ctx = serving._scheduler._ctx
             assert [ctx.seq_pos_max(seq) for seq in range(6)] == [-1] * 6  # every sequence cleared
