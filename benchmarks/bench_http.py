@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -214,19 +215,23 @@ def markdown(results: list[dict], manifest: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def start_server(args: argparse.Namespace, max_sequences: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "aner_nb", "serve", args.model, "--host", "127.0.0.1", "--port", "0",
+def start_server(args: argparse.Namespace, max_sequences: int, *, stderr: Any = None) -> tuple[subprocess.Popen, str]:
+    """``aner-nb serve args.model`` on a free port (``args``: context, max_tokens, threads, chat_template);
+    returns the process and its URL once it accepts connections. Also used by ``soak.py``."""
+    command = [sys.executable, "-m", "aner_nb", "serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
                "--max-sequences", str(max_sequences), "--context", str(args.context),
                "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
-    if args.chat_template:
+    if getattr(args, "chat_template", None):
         command += ["--chat-template", args.chat_template]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     line = proc.stdout.readline() if proc.stdout else ""
     match = re.search(r" at (http://\S+)", line)
     if not match:
         proc.kill()
         proc.wait(timeout=30)
         raise SystemExit(f"the server did not start: {line!r}")
+    # Drain the rest of stdout so a chatty server never blocks on a full pipe.
+    threading.Thread(target=lambda: proc.stdout and proc.stdout.read(), daemon=True).start()
     return proc, match.group(1)
 
 

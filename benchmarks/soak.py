@@ -49,7 +49,6 @@ import collections
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -64,6 +63,9 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from aner_nb.bench import harness
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_http import start_server  # noqa: E402 - the same server start as the HTTP benchmark
 
 KINDS = ("chat", "stream", "cancel", "disconnect", "bad", "burst")
 # Share of each kind in a client's mix. A burst runs at most once per --burst-every seconds across all
@@ -398,22 +400,6 @@ def write_fixture(directory: Path) -> Path:
     return write_tiny_model(directory / "soak-llama.gguf", "llama")
 
 
-def start_server(args: argparse.Namespace, log: Any) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "aner_nb", "serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
-               "--max-sequences", str(args.max_sequences), "--context", str(args.context),
-               "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
-    line = proc.stdout.readline() if proc.stdout else ""
-    match = re.search(r" at (http://\S+)", line)
-    if not match:
-        proc.kill()
-        proc.wait(timeout=30)
-        raise SystemExit(f"the server did not start: {line!r}")
-    # Drain the rest of stdout so a chatty server never blocks on a full pipe.
-    threading.Thread(target=lambda: proc.stdout and proc.stdout.read(), daemon=True).start()
-    return proc, match.group(1)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     duration = args.minutes * 60
     warmup = min(max(0.2 * duration, 60.0), 0.5 * duration)
@@ -422,7 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.model = write_fixture(Path(tmp))
         log_path = Path(tmp) / "server.log"
         with open(log_path, "w") as log:
-            server, url = start_server(args, log)
+            server, url = start_server(args, args.max_sequences, stderr=log)
             proc = psutil.Process(server.pid)
             try:
                 with httpx.Client(base_url=url, timeout=30) as c:
