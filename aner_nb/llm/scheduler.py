@@ -85,7 +85,7 @@ from .response import Response
 from .runner import Job, SequenceOutput
 from .sampling import new_sampler
 from .shared_prefix import SharedPrefixes
-from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, QueueTimings
+from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, QueueTimings, TimingsPart
 
 __all__ = [
     "StepPlan",
@@ -800,20 +800,18 @@ class Scheduler:
         job.seq = r.seq
         r.out = SequenceOutput(self.model, job)  # its clock is the start of work
         job.add(QueueTimings(queue_duration=r.out.t_work - r.t_submit))
-        job.add(self._start_from_prefix(r))
+        for part in self._start_from_prefix(r):
+            job.add(part)
         r.sampler = new_sampler(self.model, job.request, job.grammar, job.prompt_tokens)
 
-    def _start_from_prefix(self, r: Request) -> PoolTimings:
-        """Copy the best shared prefix into the request's stream; the pool timings say what was reused."""
+    def _start_from_prefix(self, r: Request) -> tuple[TimingsPart, ...]:
+        """Copy the best shared prefix into the request's stream; the timings parts say what was reused."""
         p = self.prefixes
         if p is None:
-            return PoolTimings(cached_input_tokens=0)  # no pool: every prompt is evaluated
+            return (PoolTimings(cached_input_tokens=0),)  # no pool: every prompt is evaluated
         t0 = _now()
         with self._cv:
-            found = PrefixCacheTimings(
-                prefix_cache_hit=0, prefix_cache_entries=len(p.entries),
-                prefix_cache_retained_tokens=p.retained_tokens(),
-            )
+            held = (len(p.entries), p.retained_tokens())  # as the request found them
         entry, keep = p.lookup(r.job.prompt_tokens)
         if entry is not None:
             # Across streams the whole stream is copied (positions and cell indices kept) during the
@@ -826,8 +824,11 @@ class Scheduler:
                 self._ctx.seq_rm(r.seq, 0, -1)
                 keep = 0
         r.evaluated = r.cached = r.job.n_cached = keep
-        r.job.add(dataclasses.replace(found, prefix_cache_hit=int(keep > 0)))
-        return PoolTimings(cached_input_tokens=keep, context_clear_duration=_now() - t0, context_pool_reused=int(keep > 0))
+        hit = int(keep > 0)
+        return (
+            PoolTimings(cached_input_tokens=keep, context_clear_duration=_now() - t0, context_pool_reused=hit),
+            PrefixCacheTimings(prefix_cache_hit=hit, prefix_cache_entries=held[0], prefix_cache_retained_tokens=held[1]),
+        )
 
     def _retain(self, r: Request) -> None:
         """Keep the prefix of a prompt that has just been evaluated in a spare stream, if worth it."""
