@@ -9,7 +9,6 @@ for the %reset RSS drop and the DESIGN.md "A user writes" check.
 from __future__ import annotations
 
 import gc
-import time
 
 import pytest
 from IPython.core.error import UsageError
@@ -22,6 +21,7 @@ from aner_nb.magics import display as display_mod
 from aner_nb.magics import interpolate, kv_table
 from aner_nb.magics.magics import LLMMagics
 from aner_nb.magics.magics import SUBCOMMANDS
+from test_notebook_kernel import execute  # a cell in a real kernel: (reply, IOPub messages)
 
 CTX = 256
 
@@ -794,36 +794,19 @@ def test_python_api_handles_are_adopted_and_closed_with_the_rest(ip, llama_path)
 
 
 # -- a real kernel ---------------------------------------------------------------------------------------------
-def _execute(client, code, timeout=60):
-    msg_id = client.execute(code)
-    messages = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        msg = client.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(msg)
-        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    while True:
-        reply = client.get_shell_msg(timeout=timeout)
-        if reply["parent_header"].get("msg_id") == msg_id:
-            return reply["content"], messages
-
-
 def test_real_kernel_streams_into_one_display(llama_path):
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
     try:
-        reply, _ = _execute(kc, "%load_ext aner_nb")
+        reply, _ = execute(kc, "%load_ext aner_nb")
         assert reply["status"] == "ok"
-        reply, msgs = _execute(kc, f"%llm load {llama_path} --as base --context {CTX}")
+        reply, msgs = execute(kc, f"%llm load {llama_path} --as base --context {CTX}")
         assert reply["status"] == "ok", reply
         assert any(m["msg_type"] == "stream" and "base = <LLMModel" in m["content"]["text"] for m in msgs)
-        reply, msgs = _execute(kc, "%config LLMMagics.stream_interval = 0")
-        reply, msgs = _execute(kc, "word = 'cat'\n")
-        reply, msgs = _execute(kc, "%%generate base --max-tokens 12\nSay {word}")
+        reply, msgs = execute(kc, "%config LLMMagics.stream_interval = 0")
+        reply, msgs = execute(kc, "word = 'cat'\n")
+        reply, msgs = execute(kc, "%%generate base --max-tokens 12\nSay {word}")
         assert reply["status"] == "ok", reply
         shown = [m for m in msgs if m["msg_type"] in ("display_data", "update_display_data")]
         assert shown[0]["msg_type"] == "display_data"
@@ -832,10 +815,10 @@ def test_real_kernel_streams_into_one_display(llama_path):
         assert {m["content"]["transient"]["display_id"] for m in shown} == {display_id}
         assert "aner-response" in shown[-1]["content"]["data"]["text/html"]
         assert not any(m["msg_type"] == "error" for m in msgs)
-        reply, msgs = _execute(kc, "print(_.finish_reason, _.usage.completion_tokens)")
+        reply, msgs = execute(kc, "print(_.finish_reason, _.usage.completion_tokens)")
         out = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream")
         assert out.split()[0] in ("length", "stop")
-        reply, msgs = _execute(kc, "%llm lod")
+        reply, msgs = execute(kc, "%llm lod")
         assert reply["status"] == "error" and reply["ename"] == "UsageError", (reply, msgs)
     finally:
         kc.stop_channels()

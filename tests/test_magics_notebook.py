@@ -16,15 +16,9 @@ from aner_nb.llm import _engine
 from aner_nb.magics import interpolate, last_error
 from aner_nb.magics.prompt import PromptError
 from aner_nb.widgets import ANSWER_FORMATS, answer_html
+from test_magics import run
 
 CTX = 256
-
-
-def run(ip, cell, *, history=False):
-    result = ip.run_cell(cell, store_history=history)
-    if result.error_before_exec or result.error_in_exec:
-        raise result.error_before_exec or result.error_in_exec
-    return result
 
 
 def magics(ip):
