@@ -1,10 +1,10 @@
-"""Command line: ``python -m aner_nb report`` (the main job) and ``python -m aner_nb demo``."""
+"""Command line: ``python -m aner_nb report`` (the main job), ``demo``, ``serve`` and ``lab``."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("report", "demo", "serve")
+COMMANDS = ("report", "demo", "serve", "lab")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,11 +14,16 @@ def main(argv: list[str] | None = None) -> int:
         print("  report  execute notebooks/01_quickstart.ipynb headless; write reports/01_quickstart.html", file=sys.stderr)
         print("  demo    load the demo model, stream one answer, print timings and memory", file=sys.stderr)
         print("  serve   serve a GGUF model over HTTP (aner-nb serve MODEL.gguf -h)", file=sys.stderr)
+        print("  lab     open the tutorials in JupyterLab with this Python's kernel (the lab extra)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "report":
         from .report import main as report_main
 
         return report_main(argv[1:])
+    if argv[0] == "lab":
+        from .lab import main as lab_main
+
+        return lab_main(argv[1:])
     if argv[0] == "serve":
         from .api.cli import main as serve_main
 

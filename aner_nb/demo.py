@@ -10,7 +10,7 @@ import pandas as pd
 from . import llm
 from .demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
 
-DEFAULT_PROMPT = "Name three primary colors and say what mixing two of them gives."
+DEFAULT_PROMPT = "What are the three primary colors of paint?"
 
 
 def run_demo(prompt: str = DEFAULT_PROMPT, *, max_tokens: int = 48, context: int = 2048, out=None) -> llm.Response:

@@ -1,8 +1,17 @@
-"""Deterministic benchmark texts: an evidence file full of names and terms, and questions about it."""
+"""The benchmarks' shared workloads: deterministic texts and the requests built from them.
+
+An evidence file full of names and terms (:func:`evidence`) and questions about it
+(``QUESTIONS``); short general questions (``TOPICS``) that the serving benchmarks
+send (``bench_batching``, ``bench_llama_server``, ``bench_http``, ``soak``); the
+uniform and mixed request sets of the batching benchmark (:func:`workload`),
+which ``bench_llama_server`` replays against llama.cpp's server; and the
+shared-system-prompt conversations (:func:`shared_workload`).
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 FIRST = ["Mira", "Tomasz", "Aiko", "Oluwaseun", "Ingrid", "Rafael", "Leilani", "Dmitri", "Saoirse", "Kwame",
          "Henrike", "Bao", "Esperanza", "Yusuf", "Annelie", "Caspian"]
@@ -42,3 +51,53 @@ QUESTIONS = [
     "Who witnessed the first entry?",
     "Summarize the ledger in one sentence.",
 ]
+
+# Short general questions, cycled over the clients of the serving benchmarks.
+TOPICS = [
+    "Why is the sky blue?",
+    "Name three uses of copper.",
+    "How do bees make honey?",
+    "What causes ocean tides?",
+    "Explain what a compiler does.",
+    "Why do leaves change colour in autumn?",
+    "How does a refrigerator keep food cold?",
+    "What is the difference between weather and climate?",
+]
+CONTEXT_SENTENCE = (
+    "The harbour town keeps a ledger of every ship, its cargo, its captain and the day it arrived. "
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a batching run: a name for reports, the prompt and its output budget."""
+
+    name: str
+    prompt: str
+    max_tokens: int
+
+
+def workload(kind: str, clients: int, max_tokens: int) -> list[Request]:
+    """The requests of one run: uniform (short prompts, same budget) or mixed (4x spread)."""
+    requests = []
+    for i in range(clients):
+        topic = TOPICS[i % len(TOPICS)]
+        if kind == "uniform":
+            requests.append(Request(f"u{i}", topic, max_tokens))
+        else:
+            reps = 1 + (i % 4)  # prompt length 1x..4x
+            budget = max(1, max_tokens * (1 + (i * 3 + 1) % 4) // 4)  # 1/4..4/4, not aligned with the prompt
+            prompt = f"{CONTEXT_SENTENCE * reps * 2}Question: {topic}"
+            requests.append(Request(f"m{i}", prompt, budget))
+    return requests
+
+
+def shared_workload(lease, clients: int, questions: int, system_tokens: int, seed: int) -> list[list[list[dict]]]:
+    """Per client, its ``questions`` conversations: one system prompt (a ledger of about
+    ``system_tokens`` tokens, different for each ``seed``) and a different short question each."""
+    system = "Answer questions about this ledger briefly.\n" + evidence_of_tokens(lease, system_tokens, seed=seed)
+    return [
+        [[{"role": "system", "content": system}, {"role": "user", "content": TOPICS[(c * questions + q) % len(TOPICS)]}]
+         for q in range(questions)]
+        for c in range(clients)
+    ]

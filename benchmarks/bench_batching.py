@@ -1,5 +1,9 @@
 """Continuous batching on the demo model: throughput and latency against serial serving.
 
+``--model`` (default ``smollm2``, SmolLM2-135M-Instruct; ``gemma`` or a GGUF path: see
+``_models.py``): nothing measured here depends on sliding-window attention or the
+vocabulary. The sections of ``RESULTS.md`` measured before the option existed ran on Gemma 3 270M.
+
 Workloads (every request of a run arrives at once, one per client):
 
 - ``uniform``: N clients, short prompts, ``--max-tokens`` (128) output tokens each;
@@ -68,32 +72,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from aner_nb import bench, llm
-from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
+from _workloads import TOPICS, Request, shared_workload, workload
+
+from aner_nb import bench
 
 _now = time.perf_counter_ns
-
-TOPICS = [
-    "Why is the sky blue?",
-    "Name three uses of copper.",
-    "How do bees make honey?",
-    "What causes ocean tides?",
-    "Explain what a compiler does.",
-    "Why do leaves change colour in autumn?",
-    "How does a refrigerator keep food cold?",
-    "What is the difference between weather and climate?",
-]
-CONTEXT_SENTENCE = (
-    "The harbour town keeps a ledger of every ship, its cargo, its captain and the day it arrived. "
-)
-
-
-@dataclass(frozen=True)
-class Request:
-    name: str
-    prompt: str
-    max_tokens: int
-
 
 @dataclass(frozen=True)
 class Outcome:
@@ -102,21 +86,6 @@ class Outcome:
     first_token_ms: float
     completion_ms: float
     tokens: tuple[int, ...]
-
-
-def workload(kind: str, clients: int, max_tokens: int) -> list[Request]:
-    """The requests of one run: uniform (short prompts, same budget) or mixed (4x spread)."""
-    requests = []
-    for i in range(clients):
-        topic = TOPICS[i % len(TOPICS)]
-        if kind == "uniform":
-            requests.append(Request(f"u{i}", topic, max_tokens))
-        else:
-            reps = 1 + (i % 4)  # prompt length 1x..4x
-            budget = max(1, max_tokens * (1 + (i * 3 + 1) % 4) // 4)  # 1/4..4/4, not aligned with the prompt
-            prompt = f"{CONTEXT_SENTENCE * reps * 2}Question: {topic}"
-            requests.append(Request(f"m{i}", prompt, budget))
-    return requests
 
 
 def stream_one(lease, req: Request, t0: int) -> Outcome:
@@ -227,19 +196,6 @@ def measure(serial, kind: str, clients: int, args) -> dict:
 TARGETS = {("uniform", 4): 1.75, ("mixed", 4): 1.25}
 
 SHARED_ENTRIES = 2
-
-
-def shared_workload(lease, clients: int, questions: int, system_tokens: int, seed: int) -> list[list[list[dict]]]:
-    """Per client, its ``questions`` conversations: one system prompt (a ledger of about
-    ``system_tokens`` tokens, different for each ``seed``) and a different short question each."""
-    from _workloads import evidence_of_tokens
-
-    system = "Answer questions about this ledger briefly.\n" + evidence_of_tokens(lease, system_tokens, seed=seed)
-    return [
-        [[{"role": "system", "content": system}, {"role": "user", "content": TOPICS[(c * questions + q) % len(TOPICS)]}]
-         for q in range(questions)]
-        for c in range(clients)
-    ]
 
 
 def _closed_loop(clients: int, ask) -> tuple[float, list]:
@@ -487,14 +443,17 @@ def main() -> None:
     parser.add_argument("--flash-attention", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write a RESULTS.md section to this file")
+    add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
 
-    path = str(demo_model_path())
-    base = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention=args.flash_attention)
+    choice = resolve(args.model)
+    base = choice.load(context=args.context, flash_attention=args.flash_attention)
+    print(header(choice, base), flush=True)
     serial = base.with_optimizer(threads=args.threads, prefill_threads=args.threads,
                                  batch_tokens=args.batch_tokens, micro_batch_tokens=args.batch_tokens)
     manifest = bench.manifest(serial, threads=args.threads, rounds=args.rounds, max_tokens=args.max_tokens,
-                              flash_attention=args.flash_attention, batch_tokens=args.batch_tokens)
+                              flash_attention=args.flash_attention, batch_tokens=args.batch_tokens,
+                              **manifest_fields(choice, base))
     results = []
     for kind in args.workloads:
         for clients in args.clients:

@@ -23,7 +23,13 @@ warm-up step at a fixed context length (the rows are removed after each step).
 Reported: median, min and max step time, per-row time, and the ceiling
 ``k * D(1) / D(k)`` as a ratio of medians.
 
-Run: ``python benchmarks/bench_decode_rows.py [--rows 1 2 3 4 8] [--rounds 6] [--threads 2]``.
+``--model`` (see ``_models.py``) defaults to ``gemma`` (Gemma 3 270M): the ``one`` rows isolate
+the output layer, whose cost is the point on a 262,144-token vocabulary (about 60% of its
+parameters); the sections of ``RESULTS.md`` measured it. ``--model smollm2`` measures the same
+ceiling on SmolLM2-135M-Instruct (49,152-token vocabulary).
+
+Run: ``python benchmarks/bench_decode_rows.py [--model gemma|smollm2|PATH] [--rows 1 2 3 4 8] [--rounds 6]
+[--threads 2]``.
 
 Comparing two llama.cpp builds (``--build NAME=DIR`` twice, the baseline
 first; DIR holds a wheel installed with ``pip install --target DIR WHEEL
@@ -55,7 +61,8 @@ import sys
 import time
 from pathlib import Path
 
-from aner_nb.demo_model import demo_model_path
+from _models import GEMMA, add_model_option, header, manifest_fields, resolve
+
 from aner_nb.llm._engine import Batch, ContextParams, NativeContext, NativeModel, pairs_batch_columns, system_info
 from aner_nb.llm.artifact import inspect_model, sha256_file
 
@@ -89,11 +96,10 @@ def greedy_rows(model: NativeModel, ctx: NativeContext, batch: Batch, rows: int,
     return out
 
 
-def measure(rows: list[int], rounds: int, steps: int, threads: int, *, all_only: bool = False,
+def measure(path: str, rows: list[int], rounds: int, steps: int, threads: int, *, all_only: bool = False,
             greedy_tokens: int = 0) -> dict:
     """Step times in ms per ``(k, mode)`` over ``rounds`` interleaved rounds, and (``greedy_tokens``)
     the greedy tokens of one sequence alone and of max(rows) sequences together."""
-    path = str(demo_model_path())
     model = NativeModel(path)
     # Sequence 0 stays empty for the padding row; a k-row step uses sequences 1..k. Ids are
     # consecutive, so llama.cpp runs each step as one micro-batch (as the scheduler arranges).
@@ -154,6 +160,7 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=48, help="with --build: greedy tokens compared")
     parser.add_argument("--json", default=None, help="with --build: write all results here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_model_option(parser, GEMMA, "the cost of a 262k-vocabulary output layer")
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -173,9 +180,11 @@ def main() -> None:
 
 def single(args: argparse.Namespace) -> None:
     rows = args.rows or [1, 2, 3, 4, 5, 6, 8]
-    path = str(demo_model_path())
+    choice = resolve(args.model)
+    path = choice.path
     facts = inspect_model(path)
-    times = measure(rows, args.rounds or 6, args.steps, args.threads)["times"]
+    print(header(choice, fingerprint=sha256_file(path)), flush=True)
+    times = measure(path, rows, args.rounds or 6, args.steps, args.threads)["times"]
     configs = list(times)
     print(f"model {os.path.basename(path)} sha256 {sha256_file(path)[:12]}, "
           f"output weights {facts.output_type}, threads {args.threads}, "
@@ -195,7 +204,8 @@ def child(args: argparse.Namespace) -> None:
     import llama_cpp
 
     rows = args.rows or [1, 2, 4, 8]
-    r = measure(rows, args.child_rounds, args.steps, args.threads, all_only=True, greedy_tokens=args.greedy_tokens)
+    r = measure(resolve(args.model).path, rows, args.child_rounds, args.steps, args.threads, all_only=True,
+                greedy_tokens=args.greedy_tokens)
     print(json.dumps({
         "tok_s": {k: k * 1000 / statistics.median(r["times"][(k, "all")]) for k in rows},
         "step_ms": {k: statistics.median(r["times"][(k, "all")]) for k in rows},
@@ -208,7 +218,7 @@ def run_child(site: str, args: argparse.Namespace, rows: list[int], child_rounds
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, str(ROOT)]))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--rows", *map(str, rows),
            "--child-rounds", str(child_rounds), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--greedy-tokens", str(args.greedy_tokens)]
+           "--greedy-tokens", str(args.greedy_tokens), "--model", resolve(args.model).path]
     out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     result["tok_s"] = {int(k): v for k, v in result["tok_s"].items()}
@@ -251,6 +261,9 @@ def compare(args: argparse.Namespace) -> None:
     from aner_nb.bench import environment
 
     rows = args.rows or [1, 2, 4, 8]
+    choice = resolve(args.model)
+    fingerprint = sha256_file(choice.path)
+    print(header(choice, fingerprint=fingerprint), flush=True)
     sides = [tuple(b.split("=", 1)) for b in args.build]
     names = [name for name, _ in sides]
     env_start = environment()
@@ -262,7 +275,7 @@ def compare(args: argparse.Namespace) -> None:
             results[name].append(run_child(site, args, rows, args.child_rounds))
     env_end = environment()
     a, b = names
-    print(f"model {os.path.basename(str(demo_model_path()))}; rows {rows}; {args.rounds or 4} ABBA rounds after a "
+    print(f"model {os.path.basename(choice.path)}; rows {rows}; {args.rounds or 4} ABBA rounds after a "
           f"warm-up child each; per child {args.child_rounds} rounds x {args.steps} steps; "
           f"CPU {env_start.get('cpu', '?')}; load average {env_start['load_average']} -> {env_end['load_average']}")
     for name in names:
@@ -287,6 +300,7 @@ def compare(args: argparse.Namespace) -> None:
         print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"environment_start": env_start, "environment_end": env_end,
+                                               **manifest_fields(choice, fingerprint=fingerprint),
                                                "summary": summary, "outputs": outputs, "results": results},
                                               indent=2))
 

@@ -20,9 +20,15 @@ second (median, min, max over rounds; concurrent/one-at-a-time ratio of
 medians), request latency and first-token latency percentiles (p50, p90,
 p99, max over every request of every round), and the most sequences any
 request shared a scheduler step with (``batch_peak_sequences`` from the
-final usage chunk's timings).
+final usage chunk's timings; every request asks for that chunk with
+``stream_options: {"include_usage": true}``, and a stream without it fails
+the run instead of counting 0 tokens).
 
-Run (demo model, as for ``benchmarks/RESULTS.md``):
+``--model`` (default ``smollm2``, SmolLM2-135M-Instruct; ``gemma`` or a GGUF path: see
+``_models.py``): nothing measured here depends on sliding-window attention or the vocabulary.
+The sections of ``RESULTS.md`` measured before the option existed ran on Gemma 3 270M.
+
+Run (as for ``benchmarks/RESULTS.md``):
 ``python benchmarks/bench_http.py [--rounds 3] [--clients 4 8] [--requests 4] [--max-tokens 128]
 [--json out.json] [--markdown section.md]``.
 Smoke (tiny settings, any GGUF with a chat template):
@@ -45,18 +51,12 @@ from typing import Any
 
 import httpx
 
+from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
+from _workloads import TOPICS
+
 from aner_nb import bench
 
-PROMPTS = [
-    "Why is the sky blue?",
-    "Name three uses of copper.",
-    "How do bees make honey?",
-    "What causes ocean tides?",
-    "Explain what a compiler does.",
-    "Why do leaves change colour in autumn?",
-    "How does a refrigerator keep food cold?",
-    "What is the difference between weather and climate?",
-]
+PROMPTS = TOPICS  # the serving benchmarks' questions (_workloads.py), cycled over clients and requests
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,10 @@ class Outcome:
 
 
 def one_request(client: httpx.Client, prompt: str, max_tokens: int) -> Outcome:
+    # OpenAI streaming sends the usage (and this service its timings) only in a last chunk asked for
+    # with stream_options.include_usage; without it there is nothing to count tokens or peaks from.
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}
+            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = None
     usage: dict = {}
@@ -91,11 +93,14 @@ def one_request(client: httpx.Client, prompt: str, max_tokens: int) -> Outcome:
             elif "usage" in event:
                 usage, timings = event["usage"], event.get("timings", {})
     t1 = time.perf_counter()
+    if "completion_tokens" not in usage or "batch_peak_sequences" not in timings:
+        # A missing usage chunk would otherwise be recorded as 0 tokens and peak -1.
+        raise RuntimeError(f"the stream ended without a usage chunk with timings (usage={usage}, timings={timings})")
     return Outcome(
         first_token_ms=((first or t1) - t0) * 1e3,
         latency_ms=(t1 - t0) * 1e3,
-        tokens=int(usage.get("completion_tokens", 0)),
-        peak_sequences=int(timings.get("batch_peak_sequences", -1)),
+        tokens=int(usage["completion_tokens"]),
+        peak_sequences=int(timings["batch_peak_sequences"]),
     )
 
 
@@ -215,15 +220,18 @@ def markdown(results: list[dict], manifest: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def start_server(args: argparse.Namespace, max_sequences: int, *, stderr: Any = None) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, max_sequences: int, *, stderr: Any = None,
+                 env: dict[str, str] | None = None, cwd: str | None = None) -> tuple[subprocess.Popen, str]:
     """``aner-nb serve args.model`` on a free port (``args``: context, max_tokens, threads, chat_template);
-    returns the process and its URL once it accepts connections. Also used by ``soak.py``."""
+    returns the process and its URL once it accepts connections. Also used by ``soak.py`` and
+    ``bench_http_revisions.py`` (which serves another revision's package: ``python -m`` imports it from
+    ``cwd``, and ``env`` puts it first on ``PYTHONPATH`` too)."""
     command = [sys.executable, "-m", "aner_nb", "serve", str(args.model), "--host", "127.0.0.1", "--port", "0",
                "--max-sequences", str(max_sequences), "--context", str(args.context),
                "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
     if getattr(args, "chat_template", None):
         command += ["--chat-template", args.chat_template]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=cwd)
     line = proc.stdout.readline() if proc.stdout else ""
     match = re.search(r" at (http://\S+)", line)
     if not match:
@@ -237,8 +245,8 @@ def start_server(args: argparse.Namespace, max_sequences: int, *, stderr: Any = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="GGUF to serve (default: the demo model)")
-    parser.add_argument("--chat-template", default=None, help="default: gemma for the demo model")
+    add_model_option(parser, SMOLLM2)
+    parser.add_argument("--chat-template", default=None, help="for a GGUF path (smollm2: embedded; gemma: gemma)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--clients", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--requests", type=int, default=4, help="requests per client per run (default 4)")
@@ -251,11 +259,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None, help="write a RESULTS.md section to this file")
     args = parser.parse_args()
-    if args.model is None:
-        from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
-
-        args.model = str(demo_model_path())
-        args.chat_template = args.chat_template or DEMO_CHAT_TEMPLATE
+    choice = resolve(args.model, args.chat_template)
+    args.model, args.chat_template = choice.path, choice.chat_template
     max_sequences = max(args.clients)
     args.context = args.context or 512 * max_sequences
 
@@ -265,10 +270,12 @@ def main() -> None:
             model = client.get("/v1/models").json()["data"][0]
             probe = client.post("/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+        print(header(choice, fingerprint=probe.get("system_fingerprint")), flush=True)
         manifest = bench.manifest(
             None, served_model={"id": model["id"], "system_fingerprint": probe.get("system_fingerprint")},
             server=url, max_sequences=max_sequences, context=args.context, threads=args.threads,
             rounds=args.rounds, requests_per_client=args.requests, max_tokens=args.max_tokens,
+            **manifest_fields(choice),
         )
         results = []
         for clients in args.clients:

@@ -25,6 +25,9 @@ llama-server is not part of the Python package; build it once from the sdist::
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build /tmp/lcpbuild --target llama-server -j
 
+``--model`` (default ``smollm2``, as ``bench_batching.py``; ``gemma`` or a GGUF path: see
+``_models.py``): the comparison does not depend on the model's attention layout or vocabulary.
+
 Run: ``python benchmarks/bench_llama_server.py --server /tmp/lcpbuild/bin/llama-server [--rounds 3]
 [--clients 4] [--workloads uniform mixed]``.
 """
@@ -44,10 +47,8 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_batching import workload  # noqa: E402 - the same requests as the batching benchmark
-
-from aner_nb import llm  # noqa: E402
-from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path  # noqa: E402
+from _models import SMOLLM2, add_model_option, header, resolve  # noqa: E402
+from _workloads import workload  # noqa: E402 - the same requests as the batching benchmark
 
 
 def free_port() -> int:
@@ -148,10 +149,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
 
-    path = str(demo_model_path())
-    with llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE) as lease:
+    choice = resolve(args.model)
+    path = choice.path
+    with choice.load(context=args.context) as lease:
+        print(header(choice, lease), flush=True)
         tokenized = {(kind, n): [(lease.prompt_tokens(r.prompt), r.max_tokens) for r in workload(kind, n, args.max_tokens)]
                      for kind in args.workloads for n in args.clients}
     for n in args.clients:

@@ -20,7 +20,11 @@ ratio of medians:
 The whole run holds the machine-wide benchmark lock (``bench.exclusive``) and
 prints the threads and the build's CPU features.
 
-Run: ``python benchmarks/bench_overhead.py [--rounds 7] [--json out.json]``.
+``--model`` (see ``_models.py``) defaults to ``smollm2`` (SmolLM2-135M-Instruct): the library's
+overhead is not specific to a model. The sections of ``RESULTS.md`` measured before the option
+existed ran on Gemma 3 270M (``--model gemma``).
+
+Run: ``python benchmarks/bench_overhead.py [--model smollm2|gemma|PATH] [--rounds 7] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ import time
 
 import llama_cpp
 
-from aner_nb import llm
+from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
+
 from aner_nb.bench import abba, compare, environment, exclusive, format_comparison
-from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -52,11 +56,14 @@ def run() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--json", default=None)
+    add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
 
-    path = str(demo_model_path())
-    model = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="off")
+    choice = resolve(args.model)
+    path = choice.path
+    model = choice.load(context=args.context, flash_attention="off")
     fingerprint = model.fingerprint
+    print(header(choice, model), flush=True)
     # The default profile's threads (the engine default, same rule as Llama's) are given to both sides.
     probe = model.generate(PROMPT, max_tokens=1)
     threads, prefill_threads = probe.timings.threads, probe.timings.prefill_threads
@@ -119,7 +126,7 @@ def run() -> None:
 
     def load_ours() -> float:
         t0 = time.perf_counter_ns()
-        m = llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="off")
+        m = choice.load(context=args.context, flash_attention="off")
         lease = m.with_optimizer(threads=threads, prefill_threads=prefill_threads)
         lease.generate(PROMPT, max_tokens=1)
         t = time.perf_counter_ns() - t0
@@ -143,7 +150,7 @@ def run() -> None:
     load = compare("load to first token (page cache warm), ms", la, lb, "ms", higher_is_better=False)
 
     env = environment()
-    print(f"model: {path}\nsha256: {fingerprint}")
+    print(header(choice, fingerprint=fingerprint))
     print(f"threads {threads} / prefill threads {prefill_threads} on both sides; {env['cpu']}; {env['system_info']}")
     print(f"same greedy text as Llama.create_completion: {same}")
     print(format_comparison(decode))
@@ -153,7 +160,7 @@ def run() -> None:
     print(f"  median of per-round ratios: {defaults['paired_ratio_median']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "threads": [threads, prefill_threads], "decode": decode, "load": load, "defaults": defaults, "same_text": same}, f, indent=2)
+            json.dump({"environment": env, **manifest_fields(choice, fingerprint=fingerprint), "threads": [threads, prefill_threads], "decode": decode, "load": load, "defaults": defaults, "same_text": same}, f, indent=2)
 
 
 if __name__ == "__main__":

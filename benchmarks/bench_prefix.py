@@ -6,7 +6,12 @@ is ``with_optimizer(prefix_cache_entries=1)``, whose pool keeps the evidence
 between questions. Sides alternate in ABBA order; one warm-up round is
 dropped (it also fills the cache). Target: >= 30x faster first token cached.
 
-Run: ``python benchmarks/bench_prefix.py [--rounds 3] [--json out.json]``.
+``--model`` (see ``_models.py``) defaults to ``smollm2`` (SmolLM2-135M-Instruct): prefix reuse
+holds for any model. ``--model gemma`` (Gemma 3 270M, whose sections of ``RESULTS.md`` predate the
+option) measures it where the prefix is longer than the 512-token sliding window, on the full-size
+sliding-window cache a latency lease creates.
+
+Run: ``python benchmarks/bench_prefix.py [--model smollm2|gemma|PATH] [--rounds 3] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -14,10 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
 from _workloads import QUESTIONS, evidence_of_tokens
 
-from aner_nb import bench, llm
-from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+from aner_nb import bench
 
 
 def main() -> None:
@@ -26,19 +31,22 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", default=None)
+    add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
 
-    model = llm.load(demo_model_path(), context=4096, chat_template=DEMO_CHAT_TEMPLATE)
+    choice = resolve(args.model)
+    model = choice.load(context=4096)
+    print(header(choice, model), flush=True)
     cached = model.with_optimizer(prefix_cache_entries=1)
     text = evidence_of_tokens(model, args.prefix_tokens)
     cases = [bench.Case(f"q{i + 1}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS)]
     result = bench.run_sides(
         [bench.lease_side("uncached", model), bench.lease_side("cached", cached)], cases,
-        rounds=args.rounds, warmup=1, baseline="uncached", manifest_=bench.manifest(cached, benchmark="prefix"),
+        rounds=args.rounds, warmup=1, baseline="uncached",
+        manifest_=bench.manifest(cached, benchmark="prefix", **manifest_fields(choice, model)),
     )
     f = result.frame
     summary = result.summary(("first_token_ms", "prompt_eval_ms", "total_ms", "cached_input_tokens"))
-    print(f"model {model.name} sha256 {model.fingerprint}")
     print(f"prompt tokens: {len(model.prompt_tokens(cases[0].prompt))} (prefix ~{args.prefix_tokens})\n")
     print(summary.to_string(index=False))
     speedup = 1 / result.ratio("cached", "first_token_ms")
@@ -47,9 +55,10 @@ def main() -> None:
     print(f"identical outputs: {int(same.sum())}/{len(same)}")
     for case in same.index[~same]:
         a = f[(f.side == "uncached") & (f.case == case)].tokens.iloc[0]
-        b = f[(f.side == "cached") & (f.case == case)].tokens.iloc[0]
+        row = f[(f.side == "cached") & (f.case == case)].iloc[0]
         prompt = next(c.prompt for c in cases if c.name == case)
-        print(f"  {case}: {bench.divergence(model, prompt, a, b, shape=bench.BatchShape.prefill())}")
+        shape = bench.BatchShape.prefill(cached=int(row.cached_input_tokens))  # it prefilled only the tail
+        print(f"  {case}: {bench.divergence(model, prompt, a, row.tokens, shape=shape)}")
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"),

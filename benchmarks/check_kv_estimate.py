@@ -7,7 +7,13 @@ context, reads back the KV buffers llama.cpp reported allocating
 context's parameters. Prints a Markdown table (the one in
 benchmarks/RESULTS.md, "KV estimate vs engine buffer").
 
-    .venv/bin/python benchmarks/check_kv_estimate.py [--fixtures-only]
+    .venv/bin/python benchmarks/check_kv_estimate.py [--fixtures-only] [--model gemma smollm2 | PATH ...]
+
+``--model`` (see ``_models.py``) names the real models measured after the
+fixtures; default both demo models, Gemma 3 270M first (its sliding-window
+cache is what the allocation rule has to get right: the section of
+``RESULTS.md`` measured it alone) and SmolLM2-135M-Instruct (full attention, 3
+KV heads of 64). Each row names its model; the header lines give each file's SHA-256.
 
 Not a timing benchmark: it takes no benchmark lock and measures no speed.
 """
@@ -21,8 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from _models import GEMMA, SMOLLM2, header, resolve
+
 from aner_nb.llm import _engine
-from aner_nb.llm.artifact import inspect_model
+from aner_nb.llm.artifact import inspect_model, sha256_file
 from aner_nb.llm.memory import kv_caches_for
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
@@ -88,16 +96,20 @@ def fixture_paths(directory: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fixtures-only", action="store_true", help="skip the demo model")
+    parser.add_argument("--fixtures-only", action="store_true", help="skip the real models")
+    parser.add_argument("--model", nargs="+", default=[GEMMA, SMOLLM2], metavar="smollm2|gemma|PATH",
+                        help=f"the real models measured after the fixtures (default: {GEMMA} {SMOLLM2})")
     args = parser.parse_args(argv)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for family, path in fixture_paths(Path(tmp)).items():
             rows += measure(path, f"fixture {family}", FIXTURE_CONTEXTS)
     if not args.fixtures_only:
-        from aner_nb.demo_model import demo_model_path  # noqa: PLC0415 - needs the demo package
-
-        rows += measure(str(demo_model_path()), "demo gemma-3-270m", DEMO_CONTEXTS)
+        for value in args.model:
+            choice = resolve(value)  # smollm2 and gemma need the demo packages
+            print(header(choice, fingerprint=sha256_file(choice.path)))
+            label = f"demo {choice.label}" if choice.choice != "path" else choice.label
+            rows += measure(choice.path, label, DEMO_CONTEXTS)
     print("| model | n_ctx | KV type | n_seq | unified | swa_full | estimate (bytes) | engine (bytes) "
           "| error % | engine caches (cells x streams / layers) | same layout |")
     print("|---|---:|---|---:|---|---|---:|---:|---:|---|---|")

@@ -4,7 +4,11 @@ Same formatted prompt tokens, same context parameters (n_ctx, n_batch,
 n_ubatch, threads, f16 KV, flash attention off/on, swa_full off), same token
 budget. Exits non-zero on any difference.
 
-Run: ``python benchmarks/check_parity_demo.py [--max-tokens 48]``.
+``--model`` (see ``_models.py``) defaults to ``smollm2`` (SmolLM2-135M-Instruct, the demo
+model): parity is not specific to a model. ``--model gemma`` checks Gemma 3 270M, whose
+sliding-window layers both sides run with the window-sized cache (swa_full off).
+
+Run: ``python benchmarks/check_parity_demo.py [--model smollm2|gemma|PATH] [--max-tokens 48]``.
 """
 
 from __future__ import annotations
@@ -14,8 +18,7 @@ import sys
 
 import llama_cpp
 
-from aner_nb import llm
-from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+from _models import SMOLLM2, add_model_option, header, resolve
 
 PROMPTS = [
     "What is the capital of France?",
@@ -46,11 +49,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--context", type=int, default=1024)
+    add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
-    path = str(demo_model_path())
+    choice = resolve(args.model)
+    path = choice.path
     failures = 0
     for flash in (False, True):
-        with llm.load(path, context=args.context, chat_template=DEMO_CHAT_TEMPLATE, flash_attention="on" if flash else "off") as model:
+        with choice.load(context=args.context, flash_attention="on" if flash else "off") as model:
+            if not flash:
+                print(header(choice, model))
             print(f"{model!r} flash_attention={'on' if flash else 'off'}")
             for prompt in PROMPTS:
                 response = model.generate(prompt, max_tokens=args.max_tokens)

@@ -36,6 +36,10 @@ flight, queued or active) at every sample; the server's own request count
 equal to what the clients sent; the server exits cleanly on SIGTERM. The
 server's ERROR log lines are counted in the manifest, not judged.
 
+``--model`` takes ``smollm2`` (SmolLM2-135M-Instruct), ``gemma`` (Gemma 3 270M, served
+with the ``gemma`` template) or a GGUF path (see ``_models.py``); the default stays the tiny
+fixture, because the soak judges the service's resources, not a model, and runs in CI.
+
 Run: ``python benchmarks/soak.py`` (30 minutes) or ``--minutes 3`` (the CI
 short mode, ``tests/test_soak.py``); ``--json manifest.json`` writes the
 environment, settings, counts per request kind, the status-code histogram,
@@ -63,8 +67,11 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from aner_nb.bench import harness
+from aner_nb.llm.artifact import sha256_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import ModelChoice, header, manifest_fields, resolve  # noqa: E402
+from _workloads import TOPICS  # noqa: E402
 from bench_http import start_server  # noqa: E402 - the same server start as the HTTP benchmark
 
 KINDS = ("chat", "stream", "cancel", "disconnect", "bad", "burst")
@@ -73,8 +80,7 @@ KINDS = ("chat", "stream", "cancel", "disconnect", "bad", "burst")
 # while it lasts.
 WEIGHTS = {"chat": 30, "stream": 30, "cancel": 12, "disconnect": 8, "bad": 15, "burst": 5}
 RESOURCES = ("rss_bytes", "threads", "fds", "native_contexts")
-PROMPTS = ["Why is the sky blue?", "Name three uses of copper.", "How do bees make honey?",
-           "What causes ocean tides?", "Explain what a compiler does."]
+PROMPTS = TOPICS[:5]  # the first five of the serving benchmarks' questions
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -406,6 +412,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="aner-soak-") as tmp:
         if args.model is None:
             args.model = write_fixture(Path(tmp))
+            args.model_choice = ModelChoice("fixture", "tiny llama fixture", str(args.model), None)
+        else:
+            args.model_choice = resolve(str(args.model))
+            args.model, args.chat_template = args.model_choice.path, args.model_choice.chat_template
+        args.model_sha256 = sha256_file(str(args.model))
+        print(header(args.model_choice, fingerprint=args.model_sha256), flush=True)
         log_path = Path(tmp) / "server.log"
         with open(log_path, "w") as log:
             server, url = start_server(args, args.max_sequences, stderr=log)
@@ -486,6 +498,7 @@ def report_of(args: argparse.Namespace, soak: Soak, samples: list[dict[str, Any]
     return {
         "manifest": harness.manifest(
             None, script="benchmarks/soak.py", served_model=served, model_path=str(args.model),
+            **manifest_fields(args.model_choice, fingerprint=args.model_sha256),
             server=f"aner-nb serve --max-sequences {args.max_sequences} --context {args.context} "
                    f"--max-tokens {args.max_tokens} --threads {args.threads}",
             capacity=capacity, clients=args.clients, minutes=args.minutes, interval_s=args.interval,
@@ -533,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="load duration (default 30; CI: 3)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between samples")
-    parser.add_argument("--model", default=None, help="GGUF to serve (default: a tiny fixture model)")
+    parser.add_argument("--model", default=None, metavar="smollm2|gemma|PATH",
+                        help="the model to serve: smollm2, gemma or a GGUF path (default: a tiny fixture model)")
     parser.add_argument("--max-sequences", type=int, default=4)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--max-tokens", type=int, default=32, help="server cap; requests ask 2..cap")

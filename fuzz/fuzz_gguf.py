@@ -29,7 +29,7 @@ from aner_nb.llm.errors import AdapterError, InvalidArtifactError  # noqa: E402
 
 # Importing aner_nb loads the whole package; reloading only the module under test inside the hook
 # instruments it alone, so coverage feedback (and the slowdown) comes from the parser.
-with atheris.instrument_imports(include=["aner_nb.llm.artifact"]):
+with atheris.instrument_imports(include=["aner_nb.llm.artifact", "aner_nb.llm.gguf_header"]):
     artifact = importlib.reload(importlib.import_module("aner_nb.llm.artifact"))
 inspect_model, inspect_adapter = artifact.inspect_model, artifact.inspect_adapter
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the seed corpora of the fuzz targets (fuzz/corpus/gguf, fuzz/corpus/manifest); deterministic.
+"""Write the seed corpora of the fuzz targets (fuzz/corpus/gguf, manifest, grammar); deterministic.
 
     .venv/bin/python fuzz/make_corpus.py
 
@@ -70,8 +70,29 @@ def manifest_seeds() -> dict[str, bytes]:
     }
 
 
+def grammar_seeds() -> dict[str, bytes]:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20}, "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                             "maxItems": 3},
+        "id": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]+$"}, "next": {"$ref": "#/$defs/node"}},
+        "$defs": {"node": {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}}}
+    return {
+        "yes-no.gbnf": b'root ::= "yes" | "no"\n',
+        "json-ish.gbnf": (b'root ::= obj\nobj ::= "{" ws (pair ("," ws pair)*)? "}"\n'
+                          b'pair ::= str ws ":" ws val  # a comment ( [ "\nval ::= str | [0-9]+ | obj\n'
+                          b'str ::= "\\"" [^"\\\\]* "\\""\nws ::= [ \\t\\n]{0,4}\n'),
+        "nested.gbnf": b"root ::= " + b"(" * 40 + b'"a"' + b")" * 40 + b"\n",
+        "repeat.gbnf": b'root ::= ("ab" [c-e]?){2,5} "x"+ .*\n',
+        "tokens.gbnf": b'root ::= <[1]> !<[2]> "z"\n',
+        "chain.gbnf": b"".join(b"r%d ::= r%d \"x\"\n" % (i, i + 1) for i in range(30)) + b'r30 ::= "y"\nroot ::= r0\n',
+        "comment-run.gbnf": b"{" + b"#" * 27 + b"{" * 24 + b"(\0",  # backtracked exponentially in the checker once
+        "schema.json": json.dumps(schema).encode(),
+        "schema-string.json": b'{"type": "string", "minLength": 2, "maxLength": 40}',
+    }
+
+
 def main() -> None:
-    for name, seeds in (("gguf", gguf_seeds()), ("manifest", manifest_seeds())):
+    for name, seeds in (("gguf", gguf_seeds()), ("manifest", manifest_seeds()), ("grammar", grammar_seeds())):
         folder = os.path.join(HERE, "corpus", name)
         os.makedirs(folder, exist_ok=True)
         for file, raw in seeds.items():

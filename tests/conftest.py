@@ -20,6 +20,17 @@ from aner_nb import magics as magics_pkg
 from fixtures.models import write_all
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One engine thread for the module that asks for it: two spinning engine threads on a shared
+    2-vCPU machine make the tiny model 100x slower."""
+    from aner_nb.llm import _engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(_engine.THREADS_ENV, "1")
+        yield
+
+
 @pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_all(tmp_path_factory.mktemp("gguf-fixtures"))

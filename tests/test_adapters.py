@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from fixtures.models import write_lora_adapter, write_not_gguf
+from test_parity import greedy_tokens
 from aner_nb import llm
 from aner_nb.llm import _engine, adapters as adapters_module, errors
 from aner_nb.llm.adapters import SCHEMA, check_targets, parse_manifest, write_manifest
@@ -105,6 +106,56 @@ def test_module_form_and_adapter_info(base, tmp_path):
         assert tuned.profile.adapter == info.adapter_sha256 and base.profile.adapter is None
         assert f"adapter={info.adapter_sha256[:12]}" in repr(tuned)
         assert str(tmp_path) not in repr(tuned)
+
+
+# -- an independent oracle: llama-cpp-python's own LoRA path --------------------------------------
+def llama_cpp_lora_tokens(model_path, adapter, prompt_tokens, max_tokens, *, n_threads, n_threads_batch):
+    """Greedy tokens of ``llama_cpp.Llama(model_path, lora_path=adapter)`` for the same prompt token ids
+    and settings as an ordinary lease of this module (context CTX, batch 512 / micro-batch 128, the
+    lease's threads, flash attention off, adapter scale 1), as tests/test_parity.py's reference."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(
+        model_path=str(model_path), lora_path=str(adapter), lora_scale=1.0, n_ctx=CTX, n_batch=512,
+        n_ubatch=128, n_threads=n_threads, n_threads_batch=n_threads_batch, flash_attn=False, swa_full=False,
+        n_gpu_layers=0, verbose=False,
+    )
+    try:
+        return greedy_tokens(ref, prompt_tokens, max_tokens)
+    finally:
+        ref.close()
+
+
+ORACLE_PROMPTS = ["hello there", "the cat sat on the mat and", "Summarize: apples, pears and plums are fruit."]
+
+
+def test_adapter_greedy_tokens_equal_llama_cpp_python_with_the_same_lora(llama_path, tmp_path):
+    """Not only "differs from the base": the adapter lease, its batching lease and llama-cpp-python's
+    ``Llama(lora_path=...)`` give the same greedy tokens for the same prompt token ids and settings."""
+    max_tokens = 16
+    with llm.load(llama_path, context=CTX, flash_attention="off") as plain_base:
+        manifest = make_manifest(tmp_path, plain_base)
+        adapter = tmp_path / "adapter.gguf"
+        with plain_base.with_adapter(manifest) as tuned, tuned.with_batching(2) as serving:
+            for prompt in ORACLE_PROMPTS:
+                response = tuned.generate(prompt, max_tokens=max_tokens)
+                t = response.timings
+                expected = llama_cpp_lora_tokens(
+                    llama_path, adapter, tuned.prompt_tokens(prompt), max_tokens,
+                    n_threads=t.threads, n_threads_batch=t.prefill_threads,
+                )
+                assert len(expected) > 4, prompt  # a real comparison, not two empty outputs
+                assert list(response.tokens) == expected, prompt
+                assert list(plain_base.generate(prompt, max_tokens=max_tokens).tokens) != expected, prompt
+                batched = serving.generate(prompt, max_tokens=max_tokens)
+                assert batched.timings.threads == t.threads  # the same engine settings as the reference
+                assert list(batched.tokens) == expected, prompt
+            # two requests sharing the batching lease's steps, each still equal to the oracle
+            many = serving.generate_many(ORACLE_PROMPTS[:2], max_tokens=max_tokens)
+            for prompt, r in zip(ORACLE_PROMPTS[:2], many):
+                assert list(r.tokens) == llama_cpp_lora_tokens(
+                    llama_path, adapter, tuned.prompt_tokens(prompt), max_tokens,
+                    n_threads=r.timings.threads, n_threads_batch=r.timings.prefill_threads,
+                ), prompt
 
 
 # -- rejections ------------------------------------------------------------------

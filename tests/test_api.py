@@ -284,12 +284,12 @@ def test_ordinary_lease_answers_a_concurrent_request_busy(base):
 def test_timeout_cancels_the_generation_and_frees_its_slot(single):
     before = single.stats()
     with serving(service(single, max_tokens=LONG, timeout_ms=150)) as server:
-        t0 = time.monotonic()
         r = httpx.post(f"{server.url}/chat", json={"prompt": "go on", "max_tokens": LONG}, timeout=30)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
-        assert time.monotonic() - t0 < 5
         stats = single.stats()  # the answer comes after the sequence was freed
         assert stats.active == 0 and stats.waiting == 0 and stats.cancelled == before.cancelled + 1
+        # cut short by the timeout, not run to its end: far fewer than LONG tokens were sampled
+        assert stats.decoded_tokens - before.decoded_tokens < LONG
         assert healthy(server)
 
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
@@ -496,7 +496,7 @@ def test_asgi_app_runs_under_any_asgi_server(batching):
 
     async def run() -> tuple[int, int]:
         transport = httpx.ASGITransport(app=application)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             chat = await client.post("/chat", json={"prompt": "x", "max_tokens": 2})
             health = await client.get("/health")
             return chat.status_code, health.status_code

@@ -29,7 +29,7 @@ def connect(server, timeout=10.0):
 
 
 def head(method, path, *, length=None, chunked=False, extra=b""):
-    lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: test", b"Content-Type: application/json"]
+    lines = [f"{method} {path} HTTP/1.1".encode(), b"Host: 127.0.0.1", b"Content-Type: application/json"]
     if length is not None:
         lines.append(b"Content-Length: %d" % length)
     if chunked:
@@ -183,7 +183,7 @@ def test_slow_request_heads_and_bodies_are_cut_off_while_others_are_served(batch
     with serving(service(batching).read_timeouts(header_s=1.0, body_s=1.5)) as server:
         silent = connect(server)  # sends nothing at all
         slow_head = connect(server)
-        slow_head.sendall(b"POST /chat HTTP/1.1\r\nHost: test\r\n")
+        slow_head.sendall(b"POST /chat HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         slow_body = connect(server)
         slow_body.sendall(head("POST", "/chat", length=200) + b'{"prompt": ')
         unread = connect(server)  # a body nothing reads: /health answers at once, the body keeps trickling

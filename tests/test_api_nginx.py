@@ -55,6 +55,7 @@ http {{
             proxy_pass http://aner_replicas;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_set_header Host $host;  # the replicas answer loopback Host names only
             proxy_next_upstream error timeout http_502 http_503 non_idempotent;
             proxy_next_upstream_tries 2;
             proxy_connect_timeout 2s;

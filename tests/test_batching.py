@@ -9,8 +9,10 @@ engine errors and leave no thread or context behind.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import signal
+import sys
 import threading
 import time
 
@@ -18,6 +20,7 @@ import pytest
 
 from aner_nb import llm
 from aner_nb.llm import _engine, errors
+from aner_nb.llm.outbox import Request
 from aner_nb.llm.scheduler import Scheduler
 
 CTX = 2048  # 8 sequences x 256 cells
@@ -245,16 +248,26 @@ def test_a_slow_consumer_pauses_only_its_own_sequence(model, solo):
 
 
 # -- bounded queue, recursion, cancellation ------------------------------------------------------------
-def test_a_full_queue_raises_busy_at_once_and_accepted_work_completes(model, solo):
+def test_a_full_queue_raises_busy_at_once_and_accepted_work_completes(model, solo, monkeypatch):
     with model.with_batching(1) as serving:
         holder = serving.stream(PROMPTS[1], max_tokens=40)  # occupies the only sequence (paused, unread)
         wait_for(lambda: serving.stats().active == 1)
         queued = [serving.stream(PROMPTS[i % 8], max_tokens=MAX_TOKENS[i % 8]) for i in range(8)]
         assert serving.stats().waiting == 8
-        t0 = time.perf_counter()
+        # "at once": the caller never waits on the scheduler's condition for queue room
+        cv, caller_waits = serving._scheduler._cv, []
+        real_wait = cv.wait
+
+        def wait(timeout=None):
+            if threading.current_thread() is threading.main_thread():
+                caller_waits.append(timeout)
+            return real_wait(timeout)
+
+        monkeypatch.setattr(cv, "wait", wait)
         with pytest.raises(errors.BusyError) as info:
             serving.generate("one too many", max_tokens=2)
-        assert time.perf_counter() - t0 < 1.0
+        monkeypatch.undo()
+        assert caller_waits == [] and serving.stats().waiting == 8
         assert "queue is full (8 waiting" in str(info.value)
         assert holder.response is None and "".join(holder) == solo[1].text
         for i, s in enumerate(queued):
@@ -267,10 +280,11 @@ def test_recursive_submission_from_a_callback_fails_fast(model, solo):
         def submit_again(piece):
             serving.generate("inner", max_tokens=2)
 
-        t0 = time.perf_counter()
         with pytest.raises(errors.BusyError, match="own scheduler thread"):
             serving.generate("outer", max_tokens=5, on_text=submit_again)
-        assert time.perf_counter() - t0 < 5.0
+        # fast: the inner request was refused at submission, never queued, so nothing waited for it
+        stats = serving.stats()
+        assert stats.admitted == 1 and stats.failed == 1 and stats.waiting == 0 and stats.active == 0
 
         reader = serving.stream(PROMPTS[0], max_tokens=5)
         with pytest.raises(errors.BusyError, match="reading a stream"):
@@ -311,19 +325,60 @@ def test_keyboard_interrupt_in_a_stream_cancels_only_that_sequence(model, solo):
 
 
 def test_keyboard_interrupt_in_generate_cancels_only_that_request(model, solo):
+    """A real Ctrl-C (SIGINT to the main thread) while ``generate`` waits ends only that request.
+
+    Deterministic: the text callback (scheduler thread) sends the signal only once the main thread is
+    blocked in the request's wait, then holds the scheduler until the request is cancelled, so the
+    request cannot finish before the interrupt is handled. (The first version signalled on the first
+    piece, about 2 ms after submission, whatever the main thread was doing then: on a slow machine it
+    could still be running Python code, where CPython drops an interrupt handled inside a finalizer
+    that a garbage collection runs, and the request then ran to its end.) Garbage collection is off
+    while the interrupted call waits, for the same reason.
+    """
+    main = threading.main_thread().ident
+    waiting_in, blocked_in = Request.wait.__code__, threading.Condition.wait.__code__
+    results: list = []
+    seen: dict = {}
+    interrupted = threading.Event()
+
+    def main_thread_request():
+        """The Request whose wait() the main thread is blocked in (on the condition), or None."""
+        frame = sys._current_frames().get(main)
+        if frame is None or frame.f_code is not blocked_in:
+            return None
+        while frame is not None:
+            if frame.f_code is waiting_in:
+                return frame.f_locals["self"]
+            frame = frame.f_back
+        return None
+
+    def interrupt_once(piece):
+        if interrupted.is_set():
+            return
+        interrupted.set()
+        deadline = time.monotonic() + 60  # a hang guard only
+        while (req := main_thread_request()) is None:
+            if time.monotonic() > deadline:
+                seen["error"] = "the main thread never waited for its request"
+                return
+            time.sleep(0.001)
+        seen["request"] = req
+        signal.pthread_kill(main, signal.SIGINT)  # a real Ctrl-C
+        seen["cancelled"] = req.job.cancel.wait(60)  # this request cannot finish before it is cancelled
+
     with model.with_batching(2) as serving:
         other = threading.Thread(target=lambda: results.append(serving.generate(PROMPTS[6], max_tokens=35)))
-        results: list = []
-        interrupted = threading.Event()
-
-        def interrupt_once(piece):
-            if not interrupted.is_set():
-                interrupted.set()
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # a real Ctrl-C
-
         other.start()
-        with pytest.raises(KeyboardInterrupt):
-            serving.generate("interrupt me", max_tokens=900, on_text=interrupt_once)
+        gc.disable()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                serving.generate("interrupt me", max_tokens=900, on_text=interrupt_once)
+        finally:
+            gc.enable()
+        assert "error" not in seen, seen
+        assert seen["cancelled"] is True
+        response = seen["request"].result()
+        assert response.finish_reason == "cancelled" and len(response.tokens) < 900
         other.join(60)
         assert results[0].tokens == solo[6].tokens
         assert serving.stats().cancelled == 1
@@ -490,7 +545,8 @@ def test_lease_api_metadata_and_builders(model):
         assert serving.fingerprint == model.fingerprint and serving.architecture == "llama"
         assert serving.context == CTX and serving.sequence_context == CTX // 4 and serving.max_sequences == 4
         assert serving.device == model.device and serving.path == model.path
-        assert serving.profile == model.profile.with_(max_sequences=4) and serving.profile.kind == "throughput"
+        assert serving.profile == model.profile.with_(batching=llm.BatchingSettings(max_sequences=4))
+        assert serving.profile.kind == "throughput"
         assert model.profile.kind == "ordinary" and model.profile.max_sequences == 0
         assert serving.facts is model.facts and serving.chat_template == model.chat_template
         assert serving.batching == llm.BatchingSettings(max_sequences=4)
@@ -560,3 +616,14 @@ def test_batched_timings_are_measured(model, solo):
 
 def test_scheduler_is_importable_without_a_model():
     assert Scheduler.__doc__ and llm.SchedulerStats.__doc__
+
+
+def test_the_schedulers_own_counters_are_declared_once_as_attributes():
+    from aner_nb.llm.scheduler_stats import COUNTED, SchedulerCounters
+
+    stats = {f.name: f.type for f in dataclasses.fields(llm.SchedulerStats)}
+    counters = SchedulerCounters()
+    assert COUNTED == tuple(f.name for f in dataclasses.fields(counters)) and set(COUNTED) <= set(stats)
+    counters.steps += 2
+    snapshot = llm.SchedulerStats(**{n: 0 for n in stats if n not in COUNTED}, **dataclasses.asdict(counters))
+    assert snapshot.steps == 2 and snapshot.completed == 0

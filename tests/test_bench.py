@@ -54,6 +54,17 @@ def test_run_sides_collects_rows_manifest_and_ratios(model):
     assert "git_revision" in m
 
 
+def test_lease_settings_are_typed_and_json_only_in_the_manifest(model):
+    with model.with_optimizer(threads=1, prefill_threads=1) as tuned:
+        settings = bench.lease_settings(tuned)
+        manifest = bench.manifest(tuned)
+    assert isinstance(settings, bench.LeaseSettings) and settings.profile is tuned.profile
+    assert (settings.n_threads, settings.n_threads_batch, settings.kind, settings.context) == (1, 1, "ordinary", 256)
+    assert {k: manifest["model"][k] for k in settings.as_dict()} == settings.as_dict()
+    assert manifest["model"]["profile"]["optimizer"]["threads"] == 1  # the profile as nested dicts
+    assert bench.lease_settings(object()) is None
+
+
 def test_one_benchmark_at_a_time(model, tmp_path, monkeypatch):
     """A second benchmark refuses to start while another process holds the lock; re-entrant here."""
     import subprocess
@@ -116,23 +127,84 @@ def test_a_wrong_low_ranked_token_is_never_a_near_tie(model, shape):
     assert d.near_tie is False
 
 
+def tie_model(tmp_path):
+    """The llama fixture with ``e`` and ``t`` sharing one output row: an exact tie at every position."""
+    from fixtures.models import write_tiny_model
+
+    return write_tiny_model(tmp_path / "tie.gguf", "llama", tie_tokens=(ord("e"), ord("t")))
+
+
+def greedy_after(path, tokens, n):
+    """Up to ``n`` greedy tokens after ``tokens``, from llama-cpp-python's own ``Llama`` (an oracle)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=512, n_ubatch=128, n_gpu_layers=0, verbose=False)
+    try:
+        out = []
+        for token in ref.generate(list(tokens), temp=0.0, repeat_penalty=1.0, reset=True):
+            if llama_cpp.llama_vocab_is_eog(ref._model.vocab, token) or len(out) == n:
+                break
+            out.append(token)
+        return out
+    finally:
+        ref.close()
+
+
 def test_an_exact_tie_between_identical_output_rows_is_a_near_tie(tmp_path):
     """A real tie: two tokens with identical output rows get identical logits at every position.
 
     Greedy picks the lower id (first maximum); emitting the other one instead is
     a difference no batch shape needs to explain (gap 0), and the rule says so.
     """
-    from fixtures.models import write_tiny_model
-
-    path = write_tiny_model(tmp_path / "tie.gguf", "llama", tie_tokens=(ord("e"), ord("t")))
-    with llm.load(path, context=256) as m:
+    with llm.load(tie_model(tmp_path), context=256) as m:
         r = m.generate("tie", max_tokens=6)
         position = next(i for i, t in enumerate(r.tokens) if t == ord("e"))
-        twin = list(r.tokens)
-        twin[position] = ord("t")
+        twin = list(r.tokens[:position]) + [ord("t")]  # ends at the flip: nothing after it to judge
         d = bench.divergence(m, "tie", r.tokens, twin, shape=bench.BatchShape.verification(4))
         assert d.position == position and d.gap == 0.0 and d.rank_b == 1
-        assert d.near_tie is True
+        assert d.later_position is None and d.near_tie is True
+
+
+def test_a_second_divergence_in_the_same_output_is_never_excused(tmp_path):
+    """At most one excused divergence per output: an output that takes the tied twin twice fails,
+    though each flip alone is an exact tie (gap 0)."""
+    path = tie_model(tmp_path)
+    with llm.load(path, context=256) as m:
+        prompt = m.prompt_tokens("tie")
+        a = list(m.generate("tie", max_tokens=24).tokens)
+        p1 = a.index(ord("e"))
+        one = a[:p1] + [ord("t")]
+        one += greedy_after(path, prompt + one, 24 - len(one))  # then plain greedy of its own history
+        assert ord("e") in one[p1 + 1:], one  # greedy takes e again later: a second place to flip
+        d = bench.divergence(m, "tie", a, one, shape=bench.BatchShape.prefill())
+        assert d.position == p1 and d.gap == 0.0 and d.later_position is None
+        assert d.near_tie is True  # one flip, and plain greedy decoding after it: excused
+        p2 = one.index(ord("e"), p1 + 1)
+        two = one[:p2] + [ord("t")]  # the same output flipping the tie a second time
+        d = bench.divergence(m, "tie", a, two, shape=bench.BatchShape.prefill())
+        assert d.position == p1 and d.gap == 0.0  # the first flip alone passes the rule ...
+        assert d.later_position == p2  # ... but a second one follows
+        assert d.near_tie is False
+
+
+def test_a_second_ranked_token_ten_times_the_perturbation_away_is_not_a_near_tie(fixture_models):
+    """Negative control: the other side's token is plain decoding's second choice, but its logit gap is
+    at least 10x the movement the batch shape causes: not excused, however "close" rank 2 sounds."""
+    with llm.load(fixture_models["llama_q8_0"], context=512) as m:  # quantized: the shape really moves logits
+        prompt = "one two three four five six seven eight nine ten one two three"
+        a = list(m.generate(prompt, max_tokens=12).tokens)
+        shape = bench.BatchShape.prefill()  # re-evaluating ~80 tokens as one prefill moves these logits
+        checked = 0
+        for k in range(1, len(a)):
+            probe = bench.divergence(m, prompt, a, a[:k], shape=shape)  # top1/top2 and movement at k
+            assert probe.top1 == a[k]
+            second = probe.top2
+            d = bench.divergence(m, prompt, a, a[:k] + [second], shape=shape)
+            assert d.position == k and d.rank_b == 2 and d.perturbation == pytest.approx(probe.perturbation)
+            if d.perturbation > 0 and d.gap >= 10 * d.perturbation:
+                assert d.near_tie is False, d
+                checked += 1
+        assert checked >= 1  # the control really ran: some position had such a gap
+        assert bench.is_near_tie(1.0, 1.0 - 10 * 0.01, 0.01) is False  # the rule itself: 10x > 2x
 
 
 def test_divergence_when_one_output_stops_early(model):
@@ -140,3 +212,18 @@ def test_divergence_when_one_output_stops_early(model):
     d = bench.divergence(model, "stop early", r.tokens, r.tokens[:5], shape=bench.BatchShape.prefill())
     assert d.position == 5 and d.token_a == r.tokens[5]
     assert d.token_b == model._weights.native.eos  # stopping is choosing end of generation
+
+
+def test_a_prefix_cached_shape_also_measures_the_split_prefill(fixture_models):
+    """A prefix-cached request prefilled only its prompt's tail, in chunks from the cached length: that
+    path moves the logits too, and the shape with ``cached=`` takes the larger of the two movements."""
+    with llm.load(fixture_models["llama_q8_0"], context=512) as m:
+        prompt = "one two three four five six seven eight nine ten one two three four five six"
+        a = list(m.generate(prompt, max_tokens=6).tokens)
+        n = len(m.prompt_tokens(prompt))
+        whole = bench.divergence(m, prompt, a, a[:3], shape=bench.BatchShape.prefill())
+        split = bench.divergence(m, prompt, a, a[:3], shape=bench.BatchShape.prefill(cached=n // 2))
+        assert split.perturbation >= whole.perturbation and split.perturbation > 0
+        assert (split.position, split.token_a, split.gap) == (whole.position, whole.token_a, whole.gap)
+    with pytest.raises(ValueError, match="cached"):
+        bench.BatchShape("sequences", 4, cached=3)

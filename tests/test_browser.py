@@ -255,3 +255,74 @@ def test_interrupt_stops_a_streaming_generate_and_the_queued_cells(lab, browser)
     finally:
         shot(page, "interrupt-end")
         page.close()
+
+
+# The second box's answer must still be running when the Stop click lands: the tiny model decodes
+# thousands of tokens a second, so an 8,000-token answer could end first on a loaded machine (seen in
+# CI). 65,000 tokens at a 65,536-cell context (16 MB of KV on this model) run for a minute or more.
+CHAT_NOTEBOOK = {
+    "cells": [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": [
+            "from aner_nb import llm\n",
+            "from aner_nb.widgets import chat_box\n",
+            "from fixtures.models import write_tiny_model\n",
+            "m = llm.load(write_tiny_model('tiny-chat.gguf', n_ctx_train=65536), context=65536)\n",
+            "never_done = 'root ::= \"a \" root'",
+        ]},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": [
+            "chat_box(m, system='Be brief.', max_tokens=6)  # short answers",
+        ]},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": [
+            "chat_box(m, max_tokens=65000, grammar=never_done)  # an answer that runs until stopped",
+        ]},
+    ],
+    "metadata": {"kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}
+
+
+def _chat_turn(page, box, text: str) -> None:
+    box.locator(".widget-textarea textarea").fill(text)
+    box.locator(".widget-button", has_text="Send").click()
+
+
+def test_the_chat_box_streams_stops_and_is_saved_as_a_transcript(lab, browser):
+    (lab[2] / "chat.ipynb").write_text(json.dumps(CHAT_NOTEBOOK))
+    page = open_notebook(browser, lab, "chat.ipynb")
+    try:
+        command(page, "Run All Cells")
+        wait_all_run(page)
+        short = cell(page, "# short answers")
+        box = outputs(short).locator(".jupyter-widgets").first
+        box.wait_for(timeout=60_000)
+        _chat_turn(page, box, "Hello from the browser")
+        page.wait_for_function(  # the turn ended: the transcript shows it with its timings line
+            "el => el.textContent.includes('Hello from the browser') && el.textContent.includes('tok/s')",
+            arg=short.element_handle(), timeout=120_000,
+        )
+        shot(short, "chat-turn")
+
+        long = cell(page, "# an answer that runs until stopped")
+        long_box = outputs(long).locator(".jupyter-widgets").first
+        _chat_turn(page, long_box, "Go on forever")
+        page.wait_for_function(  # mid-stream: text is arriving while the kernel handles the widgets
+            "el => el.textContent.includes('a a a') && el.textContent.includes('answering')",
+            arg=long.element_handle(), timeout=120_000,
+        )
+        long_box.locator(".widget-button", has_text="Stop").click()
+        page.wait_for_function(
+            "el => el.textContent.includes('stopped (not kept in the history)')",
+            arg=long.element_handle(), timeout=60_000,
+        )
+        shot(long, "chat-stopped")
+
+        command(page, "Save Notebook")
+        time.sleep(2)
+        saved = json.loads((lab[2] / "chat.ipynb").read_text())
+        static = ["".join(o.get("data", {}).get("text/html", "")) for c in saved["cells"] for o in c.get("outputs", [])]
+        assert any("Hello from the browser" in h and "tok/s" in h for h in static), "no saved transcript"
+        assert any("stopped (not kept in the history)" in h for h in static)
+    finally:
+        shot(page, "chat-end")
+        page.close()

@@ -1,4 +1,4 @@
-"""Fault injection at the engine edge (``_engine.inject``) on every lease kind.
+"""Fault injection at the engine edge (``aner_nb.llm.faults.inject``) on every lease kind.
 
 Each fault (a failed or refused decode, a tokenizer failure, a free that
 raises, a context that cannot be made, a KV trim refused or interrupted, a
@@ -21,7 +21,8 @@ import pytest
 
 from aner_nb import llm
 from aner_nb.llm import _engine, errors
-from aner_nb.llm._engine import DECODE_NO_KV_SLOT, Fault, inject
+from aner_nb.llm._engine import DECODE_NO_KV_SLOT
+from aner_nb.llm.faults import Fault, armed, inject
 from aner_nb.llm.context_pool import ContextPool
 
 CTX = 1024
@@ -46,12 +47,7 @@ CHUNKED = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two spinning engine threads on a shared 2-vCPU machine make the tiny model 100x slower.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(_engine.THREADS_ENV, "1")
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one engine thread for this module
 
 
 @pytest.fixture(scope="module")
@@ -466,24 +462,32 @@ def test_the_scheduler_thread_raising_fails_every_request_and_closes_the_lease(b
 
 # -- the seam itself ---------------------------------------------------------------------------------
 def test_the_seam_is_off_by_default_validates_and_does_not_nest(base):
-    assert _engine._faults is None
+    assert armed() is None and _engine._faults is None  # the seam and the engine's mirror of it
     with pytest.raises(ValueError, match="unknown fault point"):
         Fault("llama_decode")
     with pytest.raises(ValueError, match="times >= 1"):
         Fault("decode", times=0)
-    with inject(Fault("tokenize", after=1, times=2)) as injection:
+    # A request tokenizes more than once (the whole render, then the template's pieces to check that
+    # only they hold control tokens): count one request's calls with a fault that only watches.
+    calls: list[str] = []
+    with inject(Fault("tokenize", times=10**6, action=lambda native, text: calls.append(text))):
+        base.generate("x", max_tokens=2)
+        per_request = len(calls)
+        base.generate("x", max_tokens=2)
+    assert per_request >= 1 and len(calls) == 2 * per_request
+    with inject(Fault("tokenize", after=per_request, times=2)) as injection:
         with pytest.raises(RuntimeError, match="do not nest"):
             with inject():
                 pass
         outcomes = []
-        for _ in range(4):  # passes one call, fires on two, then passes again
+        for _ in range(4):  # passes one request's calls, fires on two (each fails at its first call), then passes
             try:
                 base.generate("x", max_tokens=2)
                 outcomes.append("ok")
             except errors.EngineError:
                 outcomes.append("failed")
         assert outcomes == ["ok", "failed", "failed", "ok"] and injection.fired() == 2
-    assert _engine._faults is None
+    assert armed() is None and _engine._faults is None  # the seam and the engine's mirror of it
 
 
 def test_a_failing_free_at_scheduler_teardown_still_frees_the_context(base, solo):

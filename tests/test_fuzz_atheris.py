@@ -22,7 +22,7 @@ SECONDS = 25
 MIN_EXECUTIONS = 1000  # a few thousand per second locally; far fewer means the target barely ran
 
 
-@pytest.mark.parametrize("target", ["gguf", "manifest"])
+@pytest.mark.parametrize("target", ["gguf", "manifest", "grammar"])
 def test_fuzz_target_runs_clean(tmp_path, target):
     seeds = ROOT / "fuzz" / "corpus" / target
     seed_files = sorted(p.name for p in seeds.iterdir())
@@ -33,7 +33,7 @@ def test_fuzz_target_runs_clean(tmp_path, target):
            "-seed=1", f"-artifact_prefix={tmp_path}/", str(work), str(seeds)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=SECONDS + 120)
     log = proc.stdout + proc.stderr
-    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-")))
+    crashes = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-", "finding-")))
     assert proc.returncode == 0 and not crashes, f"fuzz_{target} failed ({proc.returncode}, {crashes}):\n{log[-4000:]}"
     assert f"{len(seed_files)} files found in {seeds}" in log
     executed = int(re.search(r"stat::number_of_executed_units:\s*(\d+)", log).group(1))

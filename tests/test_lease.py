@@ -437,3 +437,64 @@ def test_memory_summary(model):
     assert ms.weights_bytes > 0 and ms.peak_rss_bytes >= ms.rss_bytes > 0
     assert "workspace" in ms.excludes and ms.kv_scope.startswith("per request")
     assert "<table>" in ms._repr_html_()
+
+
+# -- the lease recipe declared once in Lease (issue 25) -----------------------------------------------
+def each_kind(model):
+    """One open lease of every class and kind: ordinary, latency, throughput, session."""
+    return {
+        "ordinary": model,
+        "latency": model.with_optimizer(prefix_cache_entries=1),
+        "throughput": model.with_batching(2),
+        "session": model.session(system="Be brief."),
+    }
+
+
+def test_every_lease_kind_answers_memory_summary(model):
+    leases = each_kind(model)
+    try:
+        for kind, lease in leases.items():
+            assert isinstance(lease, llm.Lease) and lease.kind == kind
+            summary = lease.memory_summary()
+            assert isinstance(summary, llm.MemorySummary), kind
+            assert summary.weights_bytes > 0 and summary.kv_bytes > 0 and summary.resident and summary.bounds, kind
+        assert leases["session"].memory_summary().kv_scope.startswith("per session")
+        assert leases["throughput"].memory_summary().kv_scope.startswith("whole scheduler")
+    finally:
+        for kind in ("latency", "throughput", "session"):
+            leases[kind].close()
+
+
+def test_builders_a_kind_lacks_are_refused_by_one_path(model):
+    assert llm.LLMModel.builders == frozenset(llm.BUILDERS)
+    assert llm.BatchingModel.builders == llm.Session.builders == frozenset()
+    args = {"with_optimizer": (), "with_context_pool": (1,), "with_adapter": ("x.json",), "with_batching": (2,),
+            "session": ()}
+    assert set(args) == set(llm.BUILDERS)
+    with model.with_batching(2) as serving, model.session() as session:
+        for lease, noun in ((serving, "batching lease"), (session, "session")):
+            for builder in llm.BUILDERS:
+                with pytest.raises(errors.UnsupportedFeatureError, match=f"{builder}\\(\\) is not available on a {noun}") as e:
+                    getattr(lease, builder)(*args[builder])
+                assert e.value.param == builder
+
+
+def test_a_lease_class_must_declare_exactly_the_builders_it_implements():
+    with pytest.raises(TypeError, match="must name exactly the builders it implements"):
+        class Declares(llm.Session):  # declares a builder it does not implement
+            builders = frozenset({"with_optimizer"})
+    with pytest.raises(TypeError, match="must name exactly the builders it implements"):
+        class Implements(llm.Session):  # implements a builder it does not declare
+            def session(self, *args, **kwargs):
+                return None
+
+
+def test_stats_is_the_schedulers_snapshot_or_a_typed_refusal(model):
+    with model.with_batching(2) as serving:
+        assert isinstance(serving.stats(), llm.SchedulerStats) and serving.stats().max_sequences == 2
+    with model.session() as session:
+        for lease in (model, session):
+            assert not lease.supports("continuous_batching")
+            with pytest.raises(errors.UnsupportedFeatureError, match="continuous-batching scheduler") as e:
+                lease.stats()
+            assert e.value.param == "continuous_batching"

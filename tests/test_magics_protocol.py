@@ -21,6 +21,7 @@ from aner_nb import llm
 from aner_nb import magics as magics_pkg
 from aner_nb.llm import Lease
 from aner_nb.llm.errors import ConfigurationError
+from aner_nb.llm.weights import LoadSummary
 from aner_nb.magics import handle_info, handle_table, is_handle, kv_table
 from aner_nb.magics.tables import handle_kind
 from aner_nb.widgets import kv_budget
@@ -34,7 +35,16 @@ class FakeLease(Lease):
 
     facts = None  # plain values instead of the protocol's metadata read from weights
     context = 512
-    load_summary = memory_summary = None
+
+    def load_summary(self):  # summaries of nothing: no file was loaded, no context exists
+        return LoadSummary("0" * 64, 0, -1, -1, -1, -1, -1)
+
+    def memory_summary(self):
+        return llm.MemorySummary(
+            model="fake", weights_bytes=0, file_bytes=0, context=self.context, kv_cache_type="f16",
+            flash_attention="auto", kv_bytes=0, kv_scope="none", kv_formula="", live_contexts=0, sliding_window=0,
+            rss_bytes=-1, peak_rss_bytes=-1,
+        )
 
     def __init__(self, kind: str, facts=None, features=("generate",)) -> None:
         self._kind, self.facts, self._open_features, self._closed = kind, facts, frozenset(features), False

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from aner_nb import llm
 from aner_nb.llm import _engine, kv_estimate
-from aner_nb.llm._engine import kv_buffers
+from aner_nb.llm.engine_log import kv_buffers
 from aner_nb.llm.artifact import inspect_model
 from aner_nb.llm.errors import ConfigurationError
 from fixtures.models import write_tiny_model
@@ -192,11 +192,11 @@ def test_estimate_matches_the_engine_buffers_of_each_family(fixture_models, fami
 
 
 def test_estimate_matches_the_engine_buffers_of_the_demo_model():
-    from aner_nb.demo_model import demo_model_path
+    from aner_nb.demo_model import gemma_model_path
 
-    facts = inspect_model(demo_model_path())
+    facts = inspect_model(gemma_model_path())
     assert facts.sliding_window > 0 and len(facts.swa_layers) == 15  # gemma-3-270m: 18 layers, every 6th full
-    assert check_against_engine(demo_model_path(), (512, 2000, 8192)) == 36
+    assert check_against_engine(gemma_model_path(), (512, 2000, 8192)) == 36
 
 
 # -- the memory summary -----------------------------------------------------------------------

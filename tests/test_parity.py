@@ -50,17 +50,22 @@ def reference_model(path, *, flash=False, n_threads=None, n_threads_batch=None, 
     )
 
 
+def greedy_tokens(ref, prompt_tokens, max_tokens):
+    """``Llama.generate``'s greedy tokens for ``prompt_tokens``, up to ``max_tokens``, without the end token."""
+    out = []
+    for token in ref.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
+        if llama_cpp.llama_vocab_is_eog(ref._model.vocab, token):
+            break
+        out.append(token)
+        if len(out) == max_tokens:
+            break
+    return out
+
+
 def reference_tokens(path, prompt_tokens, max_tokens, *, flash, n_threads, n_threads_batch, kv="f16"):
     ref = reference_model(path, flash=flash, n_threads=n_threads, n_threads_batch=n_threads_batch, kv=kv)
     try:
-        out = []
-        for token in ref.generate(prompt_tokens, temp=0.0, repeat_penalty=1.0, reset=True):
-            if llama_cpp.llama_vocab_is_eog(ref._model.vocab, token):
-                break
-            out.append(token)
-            if len(out) == max_tokens:
-                break
-        return out
+        return greedy_tokens(ref, prompt_tokens, max_tokens)
     finally:
         ref.close()
 
@@ -99,9 +104,9 @@ def test_quantized_kv_greedy_tokens_equal_llama_cpp_python(fixture_models, famil
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 def test_quantized_kv_on_the_demo_model_equals_llama_cpp_python(kv):
     """The real demo model (gemma3, sliding window) with a quantized KV cache, against ``Llama``."""
-    from aner_nb.demo_model import DEMO_CHAT_TEMPLATE, demo_model_path
+    from aner_nb.demo_model import GEMMA_CHAT_TEMPLATE, gemma_model_path
 
-    assert_greedy_parity(demo_model_path(), flash=True, kv=kv, chat_template=DEMO_CHAT_TEMPLATE)
+    assert_greedy_parity(gemma_model_path(), flash=True, kv=kv, chat_template=GEMMA_CHAT_TEMPLATE)
 
 
 def test_quantized_kv_is_refused_at_load_when_heads_do_not_fill_whole_blocks(tmp_path):

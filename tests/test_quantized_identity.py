@@ -5,16 +5,19 @@ Quantized weights and a wider hidden size make batch-shape effects real
 (quantized dot products, other kernel tilings for multi-row batches), so here
 each strategy's output must equal plain greedy decoding OR differ first at a
 position that ``bench.divergence`` proves a near tie for the batch shape that
-strategy used. A difference that the rule does not excuse fails the test.
+strategy used, and be plain greedy decoding of its own history after it (one
+excused divergence per output). A difference that the rule does not excuse
+fails the test. Batching is the exception: a batched output runs in the
+multi-row shape to its end, so its test pins the whole output to that shape
+instead (see its docstring).
 """
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from aner_nb import bench, llm
+from aner_nb.llm.requests import as_messages, request_settings
 
 PROMPTS = [
     "the cat sat on the mat and the cat sat on the mat and the cat",
@@ -72,23 +75,59 @@ def test_prefix_cached_equals_uncached_or_a_proven_near_tie(model, plain):
     assert hits == len(PROMPTS)
 
 
-def test_batched_equals_solo_or_a_proven_near_tie(model, plain):
+def in_one_cycle(serving, prompts, **options):
+    """generate() each prompt, every request submitted while holding the scheduler's lock (re-entrant:
+    submission takes it too), so all are admitted in one cycle; blocking requests have no stream
+    buffer to pause on, so every step holds the same rows on every run, whatever the thread timing."""
+    settings = request_settings(options)
+    with serving._scheduler._cv:
+        started = [serving._start(serving._prepare(as_messages(p), settings), None) for p in prompts]
+    out = []
+    for pieces, _, done in started:
+        ok = False
+        try:
+            while True:
+                next(pieces)
+        except StopIteration as stop:
+            ok = True
+            out.append(stop.value)
+        finally:
+            done(ok)
+    return out
+
+
+def test_batched_output_depends_on_its_prompt_and_step_shape_only(model, plain):
+    """Four requests admitted in one cycle run in 4-row steps from prefill to their last token.
+
+    What is proved, on every CPU: (1) a batched sequence's tokens are a function of its prompt and
+    the step shape only: the same on a second run, with the prompts in reverse order (other rows,
+    other neighbours) and beside three copies of itself; (2) one request alone on the batching lease
+    (1-row steps, its own KV stream) equals the solo run token for token; (3) where a 4-row output
+    differs from solo, its first difference is a near tie for the ``sequences(4)`` batch shape.
+
+    What is not claimed: ``near_tie`` (one excused divergence, then plain greedy decoding). After the
+    first flip a batched output goes on in 4-row steps, so a second near tie can flip too (the
+    'Copy:' prompt here: a near tie at token 13, another flip at 30, on an AVX-512 Zen 4); a 4-row
+    step runs llama.cpp's multi-row matmul kernels (tinyBLAS, repacked gemm) where a 1-row step runs
+    the one-row dot products, which sum in another order. The continuation is pinned by (1) instead.
+    """
     n = len(PROMPTS)
-    out: list = [None] * n
-    barrier = threading.Barrier(n)
     with model.with_batching(n) as serving:
-
-        def run(i):
-            barrier.wait()
-            out[i] = serving.generate(PROMPTS[i], max_tokens=MAX_TOKENS)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        peak = serving.stats().peak_sequences
-    assert peak > 1  # rows of several sequences shared steps
-    for prompt, ref, r in zip(PROMPTS, plain, out):
-        assert isinstance(r, llm.Response), r
-        assert_identical_or_near_tie(model, prompt, ref, r, bench.BatchShape.sequences(n))
+        alone = [serving.generate(p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+        before = serving.stats().steps
+        out = in_one_cycle(serving, PROMPTS, max_tokens=MAX_TOKENS)
+        steps = serving.stats().steps - before
+        again = in_one_cycle(serving, PROMPTS, max_tokens=MAX_TOKENS)
+        reverse = in_one_cycle(serving, PROMPTS[::-1], max_tokens=MAX_TOKENS)[::-1]
+        copies = [in_one_cycle(serving, [p] * n, max_tokens=MAX_TOKENS) for p in PROMPTS]
+    assert [a.tokens for a in alone] == [p.tokens for p in plain]
+    assert all(a.timings.batch_peak_sequences == 1 for a in alone)
+    assert all(isinstance(r, llm.Response) and r.timings.batch_peak_sequences == n for r in out)
+    longest = max(len(r.tokens) + (r.finish_reason == "stop") for r in out)
+    assert steps == longest  # every prompt in the first step (it samples each first token), then 4-row steps
+    for i, (prompt, ref, r) in enumerate(zip(PROMPTS, plain, out)):
+        assert again[i].tokens == r.tokens and reverse[i].tokens == r.tokens
+        assert [c.tokens for c in copies[i]] == [r.tokens] * n
+        if r.tokens != ref.tokens:
+            d = bench.divergence(model, prompt, ref.tokens, r.tokens, shape=bench.BatchShape.sequences(n))
+            assert bench.is_near_tie(d.logit_a, d.logit_b, d.perturbation), f"{prompt!r}: {d}"

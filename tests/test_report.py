@@ -27,6 +27,8 @@ TUTORIALS = [
     "04_continuous_batching.ipynb",
     "05_kv_budget.ipynb",
     "06_measurement.ipynb",
+    "07_chat_and_serving.ipynb",
+    "08_dataframes.ipynb",
 ]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -115,8 +117,6 @@ def test_report_runs_the_notebook_in_this_python(tmp_path):
 
 def test_report_fails_fast_naming_the_cell_and_signal_when_the_kernel_dies(tmp_path, capsys):
     """A kernel killed by a signal (SIGILL, as on a CPU that faults on AMX) ends the report at once."""
-    import time
-
     source = tmp_path / "dies.ipynb"
     nb = new_notebook()
     nb.cells = [
@@ -125,11 +125,10 @@ def test_report_fails_fast_naming_the_cell_and_signal_when_the_kernel_dies(tmp_p
         new_code_cell("print('never runs')"),
     ]
     nbformat.write(nb, source)
-    t0 = time.monotonic()
+    # The cell timeout (3600 s) is beyond this test's own timeout (pytest-timeout, 900 s): the report
+    # can only end in time through the kernel liveness check, never by waiting the cell out.
     with pytest.raises(report.KernelDiedError) as info:
-        report.run_report(str(source), str(tmp_path / "reports"), timeout=600, out=io.StringIO())
-    # The cell timeout is 600 s; the liveness poll runs every second. Generous bound, not a speed test.
-    assert time.monotonic() - t0 < 60
+        report.run_report(str(source), str(tmp_path / "reports"), timeout=3600, out=io.StringIO())
     message = str(info.value)
     assert "SIGILL" in message and "cell 2" in message and "import os, signal" in message
     assert main(["report", "--notebook", str(source), "--output-dir", str(tmp_path / "r2")]) == 1

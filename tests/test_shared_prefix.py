@@ -89,7 +89,7 @@ def test_shared_prefixes_bookkeeping_counts_hits_and_replacements():
     p.used(found, keep)
     p.store(9, (5, 6))
     assert p.placement([7, 7, 7]) == (9, (7, 7, 7))  # the entry without hits goes first
-    assert (p.hits, p.reused_tokens, p.retained, p.capacity, p.retained_tokens()) == (1, 3, 2, 2, 6)
+    assert (p.hits, p.reused_tokens, p.retained, p.capacity, p.held_tokens) == (1, 3, 2, 2, 6)
 
 
 # -- on the fixtures ------------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def test_the_batch_magic_takes_the_shared_prefix_flags(ip, llama_path):
     shared = ip.user_ns["shared"]
     stats = shared.stats()
     assert stats.prefix_cache_capacity == 3 and shared.supports("prefix_cache")
-    assert shared.batching.prefix_cache_tokens == 64
+    assert shared.profile.optimizer.prefix_cache_tokens == 64
     from IPython.core.error import UsageError
 
     with pytest.raises(UsageError, match="prefix_cache_entries"):
@@ -259,7 +259,7 @@ def test_memory_summary_counts_the_shared_prefix_streams(fixture_models):
 
 
 def test_an_entry_survives_a_request_that_failed_after_copying_it(fixture_models):
-    from aner_nb.llm._engine import Fault, inject
+    from aner_nb.llm.faults import Fault, inject
 
     with llm.load(fixture_models["llama"], context=CTX) as base:
         alone = base.chat(conversation(QUESTIONS[2]), max_tokens=MAX_TOKENS)

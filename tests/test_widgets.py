@@ -23,13 +23,17 @@ from aner_nb.bench.paired import abba, compare  # noqa: E402
 from aner_nb.llm.summary import KV_EXCLUDES  # noqa: E402
 from aner_nb.widgets import (  # noqa: E402
     DEFAULT_BUDGET_BYTES,
+    MonitorSnapshot,
+    SpeculativeStats,
     batching_monitor,
     bench_frame,
     bench_plot,
     kv_budget,
     latency_frame,
     segments_ns,
+    read_stats,
     speculative_panel,
+    speculative_stats,
     timings_frame,
     timings_panel,
 )
@@ -393,7 +397,7 @@ def test_batching_monitor_updates_live_from_its_own_thread_only(responses):
     assert set(writers) <= {threading.main_thread(), monitor.thread}
     assert monitor.thread in writers and not monitor.running
     final = serving.stats()
-    assert monitor.stats["scheduler_steps"] == final.scheduler_steps == 40
+    assert monitor.stats.scheduler_steps == final.scheduler_steps == 40
     assert monitor._w["steps"].value == "40" and monitor._w["tokens"].value == f"{final.decoded_tokens:,}"
     assert monitor._w["active"].value == 0 and monitor._w["active"].max == 4
     table = monitor.to_frame()
@@ -423,10 +427,10 @@ def test_batching_monitor_push_from_a_foreign_thread_never_touches_widgets():
     assert writers == [] and monitor.stats is None  # stored only; shown at the next refresh
     monitor.refresh()
     assert monitor._w["queue"].value == 3 and writers == [threading.main_thread()]
-    assert monitor.stats["max_sequences"] == -1  # optional field absent: unknown
+    assert monitor.stats.max_sequences == -1  # optional field absent: unknown
     monitor.start()
     deadline = time.monotonic() + 10
-    while monitor.stats["queue_length"] != 0 and time.monotonic() < deadline:  # polls serving.stats() again
+    while monitor.stats.queue_length != 0 and time.monotonic() < deadline:  # polls serving.stats() again
         time.sleep(0.01)
     monitor.stop()
     assert monitor._w["queue"].value == 0 and pusher not in writers
@@ -450,7 +454,7 @@ def test_batching_monitor_stops_on_closed_or_broken_serving():
     closed = Closed()
     monitor = batching_monitor(closed, interval=0.01)
     monitor.thread.join(10)
-    assert not monitor.running and monitor.stats["closed"] and "closed" in monitor._repr_html_()
+    assert not monitor.running and monitor.stats.closed and "closed" in monitor._repr_html_()
 
     class Broken:
         def stats(self):
@@ -503,6 +507,32 @@ def test_monitor_reads_the_schedulers_own_field_names():
     monitor = batching_monitor(serving, start=False)
     monitor.widget
     shown = monitor.refresh()
-    assert shown == {"active_sequences": 2, "queue_length": 5, "scheduler_steps": 11, "decoded_tokens": 30,
+    assert dataclasses.asdict(shown) == {"active_sequences": 2, "queue_length": 5, "scheduler_steps": 11, "decoded_tokens": 30,
                      "max_sequences": 4, "queue_capacity": 8, "completed_requests": 3, "closed": False}
     assert monitor._w["queue"].value == 5 and monitor._w["queue"].max == 8 and monitor._w["active"].max == 4
+
+
+def test_monitor_reads_a_batching_lease_typed_and_refuses_a_lease_without_a_scheduler(model):
+    with pytest.raises(TypeError, match="no batching scheduler"):
+        batching_monitor(model, start=False)  # an ordinary lease: its stats() refuses (a typed error)
+    with model.with_batching(2) as serving:
+        serving.generate_many(["a", "b"], max_tokens=2)
+        monitor = batching_monitor(serving, start=False)
+        shown = monitor.refresh()
+        stats = serving.stats()
+    assert isinstance(shown, MonitorSnapshot) and shown == read_stats(stats)
+    assert (shown.scheduler_steps, shown.decoded_tokens, shown.max_sequences, shown.queue_capacity) == (
+        stats.steps, stats.decoded_tokens, 2, stats.queue_limit)
+    assert shown.completed_requests == stats.completed == 2 and not shown.closed
+
+
+def test_speculative_stats_are_typed_and_labelled_only_at_the_edge(responses):
+    r = responses[0]
+    stats = SpeculativeStats.of(r)
+    assert stats.output_hash == r.output_hash and stats.generated_tokens == r.timings.generated_tokens
+    labelled = speculative_stats(r)
+    assert labelled == stats.labelled() and list(labelled) == [
+        f.metadata["label"] for f in dataclasses.fields(SpeculativeStats)]
+    assert labelled["tokens per forward call"] == stats.tokens_per_forward_call
+    assert labelled["speculative tokens"] == stats.speculative_tokens == r.timings.speculative_tokens
+    assert labelled["acceptance rate"] is stats.acceptance_rate is None  # nothing proposed on a plain lease

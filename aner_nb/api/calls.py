@@ -11,9 +11,12 @@ Each POST route parses its body (``request_bodies``) into a :class:`Call`:
   ``max_tokens``, ``response_format`` becomes the library's ``json_schema``,
   and ``/v1/completions`` sends its prompt as raw text (no chat template).
 
-A library error names the library's option in ``param``; ``Call.renames``
-spells it the route's way (``json_schema`` is ``response_format`` on the
-OpenAI routes).
+Which field carries which option, and what an omitted field means, come
+from the options' declarations (:mod:`aner_nb.llm.options`); the options a
+call gathers become one checked ``RequestSettings`` when it starts. A library
+error names the library's option in ``param``; ``Call.renames`` spells it
+the route's way (``json_schema`` is ``response_format`` on the OpenAI
+routes, from the declaration's mapped fields).
 """
 
 from __future__ import annotations
@@ -24,18 +27,24 @@ from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel
 
-from ..llm.profiles import MAX_SEED
+from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, LIBRARY, OUTPUT_LIMIT, RANDOM, REGISTRY, Option, Registry
+from ..llm.requests import request_settings
 from .errors import ApiError
 from .openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
 
-__all__ = ["Call", "seed_call", "chat_call", "completion_call", "response_format_options", "OPENAI_TEMPERATURE"]
+__all__ = ["Call", "seed_call", "chat_call", "completion_call", "response_format_options", "openai_options",
+           "renames", "OPENAI_TEMPERATURE"]
 
-OPENAI_TEMPERATURE = 1.0  # OpenAI's default when a request names none
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# Library options an OpenAI body passes under their own names when set (null means the library's default).
-_PASSED = ("top_p", "presence_penalty", "frequency_penalty", "stop", "top_k", "min_p", "repeat_penalty",
-           "repeat_last_n", "grammar")
-_OPENAI_RENAMES = {"json_schema": "response_format"}
+OPENAI_TEMPERATURE = REGISTRY["temperature"].fields_on(CHAT_ROUTE)[0].default  # OpenAI's default (1.0)
+COMPLETION_MAX_TOKENS = REGISTRY["max_tokens"].fields_on(COMPLETIONS_ROUTE)[0].default  # OpenAI's default (16)
+
+
+def renames(registry: Registry = REGISTRY) -> dict[str, str]:
+    """Library option -> the OpenAI field it is mapped from (``json_schema`` -> ``response_format``)."""
+    return {o.name: f.name for o in registry for f in o.openai if f.mapped}
+
+
+_OPENAI_RENAMES = renames()
 
 
 @dataclass(frozen=True)
@@ -55,10 +64,11 @@ class Call:
         return self.options.get("seed", 0)
 
     def start(self, model: Any) -> Any:
-        """The library stream of this request on ``model`` (renders or tokenizes, and submits)."""
+        """The library stream of this request on ``model``: its options checked once, as RequestSettings."""
+        settings = request_settings(self.options)
         if self.raw:
-            return model.stream(self.prompt, raw=True, **self.options)
-        return model.stream(self.prompt, **self.options)
+            return model.stream(self.prompt, raw=True, settings=settings)
+        return model.stream(self.prompt, settings=settings)
 
 
 def seed_call(body: BaseModel, route: str) -> Call:
@@ -83,12 +93,34 @@ def response_format_options(response_format: Optional[BaseModel]) -> dict[str, A
     return {}
 
 
-def _openai_options(body: Any, max_tokens: int) -> dict[str, Any]:
-    """The library options of an OpenAI body (both routes): OpenAI's defaults, and a fresh seed when none."""
-    options = {name: getattr(body, name) for name in _PASSED if getattr(body, name) is not None}
-    options["max_tokens"] = max_tokens
-    options["temperature"] = OPENAI_TEMPERATURE if body.temperature is None else body.temperature
-    options["seed"] = secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed
+def _omitted(option: Option, default: Any, cap: int) -> Any:
+    """The value of an omitted (or null) OpenAI field whose declared default is not the library's."""
+    if default is RANDOM:
+        return int(option.low) + secrets.randbelow(int(option.high) - int(option.low) + 1)  # type: ignore[arg-type]
+    if default is OUTPUT_LIMIT:
+        return cap
+    return min(default, cap) if option.service_cap else default
+
+
+def openai_options(body: Any, route: str, cap: int, registry: Registry = REGISTRY) -> dict[str, Any]:
+    """The library options of an OpenAI body on ``route``, from the declared fields and their defaults.
+
+    The first declared field given wins (``max_tokens`` over ``max_completion_tokens``); an omitted one
+    means its declared default (OpenAI's temperature 1, a fresh seed, the output limit); mapped fields
+    (``response_format``) are converted by :func:`response_format_options`.
+    """
+    options: dict[str, Any] = {}
+    for option in registry:
+        fields = [f for f in option.fields_on(route) if not f.mapped]
+        if not fields:
+            continue
+        value = next((v for v in (getattr(body, f.name) for f in fields) if v is not None), None)
+        if value is None and fields[0].default is not LIBRARY:
+            value = _omitted(option, fields[0].default, cap)
+            if fields[0].default is OUTPUT_LIMIT:  # omitted: the output limit, or what fits the context
+                options["max_tokens_fit"] = True
+        if value is not None:
+            options[option.name] = value
     options.update(response_format_options(body.response_format))
     return options
 
@@ -97,8 +129,7 @@ def chat_call(body: BaseModel, max_tokens_cap: int) -> Call:
     """A ``/v1/chat/completions`` body as a library call (400 for a field it cannot honour)."""
     refuse_unsupported(_given(body), CHAT_FIELDS, "/v1/chat/completions")
     b: Any = body
-    max_tokens = b.max_tokens if b.max_tokens is not None else b.max_completion_tokens
-    options = _openai_options(b, max_tokens_cap if max_tokens is None else max_tokens)
+    options = openai_options(b, CHAT_ROUTE, max_tokens_cap)
     return Call([m.plain() for m in b.messages], options, frozenset(type(body).model_fields), "messages",
                 "/v1/chat/completions", renames=_OPENAI_RENAMES)
 
@@ -114,6 +145,5 @@ def completion_call(body: BaseModel, max_tokens_cap: int) -> Call:
                            "prompt per request (a string, or a list of one string)",
                            param="prompt", code="unsupported_parameter")
         prompt = prompt[0]
-    max_tokens = min(COMPLETION_MAX_TOKENS, max_tokens_cap) if b.max_tokens is None else b.max_tokens
-    return Call(prompt, _openai_options(b, max_tokens), frozenset(type(body).model_fields), "prompt",
+    return Call(prompt, openai_options(b, COMPLETIONS_ROUTE, max_tokens_cap), frozenset(type(body).model_fields), "prompt",
                 "/v1/completions", raw=True, renames=_OPENAI_RENAMES)

@@ -6,9 +6,10 @@ settings (``LoadSettings``) and the service settings (the ``api.app``
 builders), each failure one line on stderr with exit code 2. Each option
 ``--some-option`` also takes its default from the environment variable
 ``ANER_NB_SOME_OPTION`` (the model path from ``ANER_NB_MODEL``); the
-command line wins. The API key is read from an environment variable
-(``--api-key-env VAR``), never from the command line, where other users
-could read it in the process list.
+command line wins. API keys are read from an environment variable
+(``--api-key-env VAR``) and/or a file (``--api-key-file PATH``, one key per
+line), never from the command line, where other users could read them in
+the process list.
 
 Once the service accepts connections it prints ``aner-nb serve: <model id>
 at <url>`` (with ``--port 0`` it names the port that was picked), then the
@@ -30,13 +31,19 @@ from typing import Any, Callable, Optional
 from .._version import __version__
 from ..llm.batching import MAX_SEQUENCES
 from ..llm.memory import KV_CACHE_TYPES
-from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, MAX_CONTEXT, MAX_TOKENS
-from . import LOG_LEVELS, MAX_KEEPALIVE_S, MAX_READ_TIMEOUT_S, MIN_READ_TIMEOUT_S
+from ..llm.options import REGISTRY
+from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, MAX_CONTEXT
+from . import LOG_LEVELS, MAX_CONNECTIONS, MAX_KEEPALIVE_S, MAX_READ_TIMEOUT_S, MIN_READ_TIMEOUT_S
+from .connections import DEFAULT_PER_CLIENT
 from .routes import service_routes
 
 __all__ = ["main", "parser", "OPTIONS"]
 
 ENV_PREFIX = "ANER_NB_"
+# --context 0: the model's declared context, capped so a long-context model does not reserve gigabytes of KV.
+AUTO_CONTEXT_CAP = 16_384
+DEFAULT_OUTPUT_TOKENS = 2048  # a chat answer's worth; requests that omit max_tokens stop at what fits anyway
+_MAX_TOKENS = REGISTRY["max_tokens"]  # --max-tokens: the request option's bounds and default
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -80,6 +87,14 @@ def _text(text: str) -> str:
     return text
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list (of host names)."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("expected a comma-separated list of host names (or *)")
+    return names
+
+
 def _flag(text: str) -> bool:
     """An environment variable's yes/no."""
     lowered = text.strip().lower()
@@ -101,6 +116,7 @@ class Option:
     metavar: Optional[str] = None
     choices: Optional[tuple[str, ...]] = None
     kind: str = "value"  # "value", "repeat" (given several times; comma-separated in the environment), "switch"
+    aliases: tuple[str, ...] = ()  # other spellings of the flag
 
     @property
     def flag(self) -> str:
@@ -130,7 +146,8 @@ OPTIONS: tuple[Option, ...] = (
            "that start with the same tokens (a common system prompt is evaluated once); each costs one more "
            "sequence's KV", "N"),
     Option("prefix_cache_tokens", _int_in(1, MAX_CONTEXT), 2048, "tokens each shared prefix keeps at most", "N"),
-    Option("context", _int_in(1, MAX_CONTEXT), 4096, "context cells, split equally between the sequences", "N"),
+    Option("context", _int_in(0, MAX_CONTEXT), 0, "context cells, split equally between the sequences (0: the "
+           f"model's declared context, at most {AUTO_CONTEXT_CAP:,})", "N"),
     Option("chat_template", _text, None, "a built-in template name (e.g. gemma) or a Jinja string", "T"),
     Option("device", _text, "auto", "auto, cpu, cuda, cuda:N, metal or mps (an explicit device never falls back)"),
     Option("kv_cache_type", str, "f16", "KV cache type (q8_0/q4_0 need flash attention)", choices=KV_CACHE_TYPES),
@@ -140,7 +157,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("threads", _int_in(0, 256), 0, "engine threads for every decode step, one-row or batched "
            "(0: the engine's defaults)", "N"),
     Option("name", _text, None, "the model id clients see (none: the model's name)"),
-    Option("max_tokens", _int_in(0, MAX_TOKENS), 256, "output cap per request", "N"),
+    Option("max_output_tokens", _int_in(int(_MAX_TOKENS.low), int(_MAX_TOKENS.high)), DEFAULT_OUTPUT_TOKENS,
+           "output cap per request: a larger max_tokens is answered 422 naming the cap (OpenAI refuses a "
+           "max_tokens its model cannot give); a request without max_tokens gets the cap, or what fits its "
+           "sequence's context", "N", aliases=("--max-tokens",)),
+    Option("max_messages", _int_in(1, 4096), 256, "messages per chat request (a longer one is answered 400)", "N"),
+    Option("max_body_bytes", _int_in(64, 1 << 30), 4 << 20, "request body size; a larger body is answered 413 "
+           "unread", "BYTES"),
     Option("timeout_ms", _int_in(1, 24 * 3600 * 1000), 120_000, "request timeout", "MS"),
     Option("sse_keepalive", _seconds, 15.0, "seconds between ': keep-alive' comments while a stream has no new "
            "text (0 = off)", "SECONDS"),
@@ -150,8 +173,18 @@ OPTIONS: tuple[Option, ...] = (
            "a slower one is answered 408", "SECONDS"),
     Option("api_key_env", _text, None, "require 'Authorization: Bearer <key>' with the key read from environment "
            "variable VAR", "VAR"),
+    Option("api_key_file", _text, None, "also accept the keys in this file (one per line; blank lines and # "
+           "comments ignored; read once at start, at most 64 KiB)", "PATH"),
     Option("cors_origin", _text, [], "a browser origin (https://host[:port], or *) allowed to call the service; "
-           "repeatable", "ORIGIN", kind="repeat"),
+           "repeatable or comma-separated; other origins get 403", "ORIGIN", kind="repeat", aliases=("--cors-origins",)),
+    Option("allowed_hosts", _names, [], "Host names answered besides localhost, *.localhost and loopback "
+           "addresses (bound elsewhere also any IP address and the --host name); comma-separated, *.domain for "
+           "subdomains, * for any; other hosts get 403 (DNS rebinding)", "HOSTS"),
+    Option("max_connections_per_client", _int_in(0, MAX_CONNECTIONS), DEFAULT_PER_CLIENT, "open connections per "
+           "client address; more are answered 429 and closed at once (0: no limit; behind a gateway every "
+           "request comes from its address)", "N"),
+    Option("max_connections", _int_in(0, MAX_CONNECTIONS), 0, "open connections in all; at the limit the oldest "
+           "idle one is closed to make room (0: 4 x the requests admitted at once + 32)", "N"),
     Option("log_level", str, "warning", "log level of the server and the library", choices=LOG_LEVELS),
     Option("access_log", _flag, False, "log one line per request", kind="switch"),
 )
@@ -195,11 +228,11 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(option.flag, dest=option.dest, action=argparse.BooleanOptionalAction, default=None,
                            help=text)
         elif option.kind == "repeat":
-            p.add_argument(option.flag, dest=option.dest, action="append", type=_argument_type(option),
-                           default=None, metavar=option.metavar, help=text)
+            p.add_argument(option.flag, *option.aliases, dest=option.dest, action="append",
+                           type=_argument_type(option), default=None, metavar=option.metavar, help=text)
         else:
-            p.add_argument(option.flag, dest=option.dest, type=_argument_type(option), default=None,
-                           metavar=option.metavar, choices=option.choices, help=text)
+            p.add_argument(option.flag, *option.aliases, dest=option.dest, type=_argument_type(option),
+                           default=None, metavar=option.metavar, choices=option.choices, help=text)
     return p
 
 
@@ -245,32 +278,43 @@ def check(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
         token = os.environ.get(args.api_key_env)
         if not token:
             raise ValueError(f"environment variable {args.api_key_env} is unset or empty")
-    LoadSettings(context=args.context, device=args.device, kv_cache_type=args.kv_cache_type,
+    LoadSettings(context=args.context or 1, device=args.device, kv_cache_type=args.kv_cache_type,
                  flash_attention=args.flash_attention, chat_template=args.chat_template,
                  cpu_extra_buffers=args.cpu_extra_buffers)
     resolve_device(args.device)  # an explicit device this build lacks fails now, not after hashing
     if args.chat_template is not None:
         resolve_template(args.chat_template, None)  # a built-in name, or Jinja that compiles in the sandbox
     OptimizerSettings(threads=args.threads, prefill_threads=args.threads)
-    if args.context < args.max_sequences:
+    if args.context and args.context < args.max_sequences:
         raise ValueError(f"--max-sequences {args.max_sequences} must be <= --context {args.context}: each sequence "
                          "gets an equal share of the context")
     try:
         socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise ValueError(f"--host {args.host}: {exc}") from None
+    origins = [o.strip() for value in args.cors_origin for o in value.split(",") if o.strip()]
     builder = (
         api.app(f"aner-nb serve {os.path.basename(args.model)}")
         .bind(host=args.host, port=args.port)
-        .limits(timeout_ms=args.timeout_ms)
-        .output_limit(max_tokens=args.max_tokens)
-        .auth(bearer_token=token)
+        .limits(timeout_ms=args.timeout_ms, max_rows=args.max_messages, max_body_bytes=args.max_body_bytes)
+        .output_limit(max_tokens=args.max_output_tokens)
+        .auth(bearer_token=token, api_key_file=args.api_key_file)
         .sse(keepalive_s=args.sse_keepalive)
         .read_timeouts(header_s=args.header_timeout, body_s=args.body_timeout)
-        .cors(origins=args.cors_origin)
+        .cors(origins=origins)
+        .allowed_hosts(args.allowed_hosts)
+        .connections(max_per_client=args.max_connections_per_client, max_total=args.max_connections or None)
         .logs(level=args.log_level, access_log=args.access_log)
     )
     return builder, token
+
+
+def auto_context(model: str, sequences: int) -> int:
+    """``--context 0``: the model's declared context (at most AUTO_CONTEXT_CAP), so each of ``sequences``
+    gets an equal share of what the model was trained for; at least one cell per sequence."""
+    from ..llm.artifact import inspect_model
+
+    return max(sequences, min(inspect_model(model).context_length, AUTO_CONTEXT_CAP))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aner-nb serve: {exc}", file=sys.stderr)
         return 2
     try:
-        base = llm.load(args.model, context=args.context, device=args.device, kv_cache_type=args.kv_cache_type,
+        context = args.context or auto_context(args.model, args.max_sequences)
+        base = llm.load(args.model, context=context, device=args.device, kv_cache_type=args.kv_cache_type,
                         flash_attention=args.flash_attention, chat_template=args.chat_template,
                         cpu_extra_buffers=args.cpu_extra_buffers)
     except (LLMError, OSError) as exc:

@@ -1,7 +1,7 @@
 """HTTP error answers: one JSON shape, the mapping from the library's typed errors, and the handlers.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` (the
-OpenAI shape, so the ``openai`` SDK raises its matching exception class).
+OpenAI shape, built by ``envelope.error_body``, so the ``openai`` SDK raises its matching exception class).
 ``param`` names the offending request field when there is one: for a
 library error it is the error's own ``param`` (``max_tokens``, ``stop[0]``,
 ``messages[2].role``), kept only when the route has that field, and spelt in
@@ -33,6 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from ..llm import errors as llm_errors
+from .body_depth import deepest_field
+from .envelope import error_body
 
 __all__ = ["ApiError", "from_library", "busy", "request_param", "install_handlers"]
 
@@ -61,7 +63,7 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -135,6 +137,11 @@ async def _invalid(_request: Request, exc: RequestValidationError) -> JSONRespon
 
 
 async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):  # JSON nested past Python's limit
+        param, depth = deepest_field(await _request.body())  # the body was read whole before parsing
+        where = f"{param}: " if param else ""
+        return ApiError(400, f"{where}the JSON is nested {depth:,} levels deep, too deep to parse",
+                        param=param, code="invalid_value").response()
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
     return ApiError(exc.status_code, str(exc.detail), type=kind, headers=dict(exc.headers or {})).response()
 

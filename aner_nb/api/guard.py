@@ -1,4 +1,4 @@
-"""The outermost ASGI layer: bearer-token check, request-body bounds, request counting.
+"""The ASGI layer under the ``OriginGuard`` (``origin.py``): API keys, content type, body bounds, request counting.
 
 It runs before routing and before any body is parsed, so an unauthenticated
 or oversized request costs at most ``max_body_bytes`` of reading: a declared
@@ -9,15 +9,26 @@ a JSON body that is not UTF-8 (RFC 8259) 400 ``invalid_encoding`` naming the
 first bad byte. The accepted body is replayed to the application; later
 ``receive()`` calls go to the server, so the application still sees
 ``http.disconnect``.
+
+A token is accepted when it equals one of the service's keys (the bearer
+token and the keys of a key file; see ``keys``): the SHA-256 digests of the
+token and of every key are compared with ``hmac.compare_digest``, all of
+them, so the time depends neither on where a key differs nor on which key
+matched. A ``POST`` (``PUT``, ``PATCH``) body must be declared
+``application/json`` (a ``charset`` parameter, if any, ``utf-8``), else 415
+before the body is read: browsers send ``text/plain``, form and multipart
+bodies cross-site without a preflight, JSON only after one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
-import json
 import time
 from typing import Any, Awaitable, Callable
+
+from .envelope import error_json
 
 __all__ = ["Guard"]
 
@@ -27,7 +38,7 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Message]], Callable[[Message],
 
 
 def _error(status: int, message: str, type_: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> tuple:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    body = error_json(message, type=type_, code=code)
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     return status, head, body
 
@@ -41,7 +52,8 @@ class Guard:
         *,
         max_body_bytes: int,
         body_timeout_s: float = 30.0,
-        bearer_token: str | None,
+        bearer_token: str | None = None,
+        api_keys: tuple[str, ...] = (),
         open_paths: frozenset[str],
         routes: frozenset[str],
         record: Callable[[str, int, float], None],
@@ -50,7 +62,8 @@ class Guard:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
-        self._token = bearer_token.encode() if bearer_token is not None else None
+        keys = ((bearer_token,) if bearer_token is not None else ()) + tuple(api_keys)
+        self._digests = tuple(hashlib.sha256(k.encode()).digest() for k in dict.fromkeys(keys))
         self.open_paths = open_paths
         self.routes = routes
         self.record = record
@@ -73,7 +86,9 @@ class Guard:
         try:
             refusal = self._authorize(scope, path)
             if refusal is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-                refusal, receive = await self._bounded_body(scope, receive)
+                refusal = _not_json(scope)
+                if refusal is None:
+                    refusal, receive = await self._bounded_body(scope, receive)
             if refusal is not None:
                 code, headers, body = refusal
                 await counting_send({"type": "http.response.start", "status": code, "headers": headers})
@@ -84,7 +99,7 @@ class Guard:
             self.record(route, status, time.perf_counter() - started)
 
     def _authorize(self, scope: Scope, path: str) -> tuple | None:
-        if self._token is None or path in self.open_paths:
+        if not self._digests or path in self.open_paths:
             return None
         given = b""
         for name, value in scope.get("headers", ()):
@@ -93,11 +108,18 @@ class Guard:
                 if scheme.lower() == b"bearer":
                     given = credentials.strip()
                 break
-        # compare_digest's time does not depend on where the bytes differ.
-        if given and hmac.compare_digest(given, self._token):
+        if given and self._matches(given):
             return None
         return _error(401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
                       "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+
+    def _matches(self, given: bytes) -> bool:
+        """Whether ``given`` is one of the keys: equal-length digests, every key compared (no early exit)."""
+        digest = hashlib.sha256(given).digest()
+        found = False
+        for key in self._digests:
+            found |= hmac.compare_digest(digest, key)
+        return found
 
     async def _bounded_body(self, scope: Scope, receive: Callable[[], Awaitable[Message]]) -> tuple[Any, Any]:
         limit = self.max_body_bytes
@@ -131,20 +153,28 @@ class Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        if _is_json(scope):
-            refusal = _not_utf8(chunks)
-            if refusal is not None:
-                return refusal, receive
+        refusal = _not_utf8(chunks)  # every accepted body is JSON (_not_json)
+        if refusal is not None:
+            return refusal, receive
         return None, _replay(chunks, None, receive)
 
 
-def _is_json(scope: Scope) -> bool:
-    """Whether the application parses the body as JSON: no content type, or application/json or */*+json."""
+def _not_json(scope: Scope) -> tuple | None:
+    """A 415 unless the body is declared ``application/json`` (``charset``, if given, ``utf-8``)."""
+    declared = None
     for name, value in scope.get("headers", ()):
         if name == b"content-type":
-            media = value.split(b";", 1)[0].strip().lower()
-            return media == b"application/json" or media.endswith(b"+json")
-    return True
+            declared = value
+            break
+    if declared is not None:
+        media, *params = declared.decode("latin-1").split(";")
+        charset = [p.split("=", 1)[1].strip().strip('"').lower() for p in params
+                   if "=" in p and p.split("=", 1)[0].strip().lower() == "charset"]
+        if media.strip().lower() == "application/json" and all(c in ("utf-8", "utf8") for c in charset):
+            return None
+    got = "no Content-Type" if declared is None else f"Content-Type {declared.decode('latin-1')[:100]!r}"
+    return _error(415, f"request bodies must be JSON: send 'Content-Type: application/json' (got {got})",
+                  "invalid_request_error", "unsupported_media_type", [(b"connection", b"close")])
 
 
 def _not_utf8(chunks: list[bytes]) -> tuple | None:

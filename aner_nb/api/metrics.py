@@ -24,6 +24,12 @@ Families (names in base units: ``_seconds``, ``_bytes``; counters end in ``_tota
   ``aner_http_capacity``, and a batching lease's scheduler families
   (``aner_queue_length``, ``aner_active_sequences``, ...), ``aner_native_contexts``
   (live llama.cpp contexts on the model's weights: a leak check);
+- connections (a running ``Server``'s ``connections.ConnectionRegistry``; absent
+  under another ASGI server): ``aner_http_connections`` (open),
+  ``aner_http_connections_idle`` (no request in flight),
+  ``aner_http_connections_refused_total`` by ``reason`` (``per_client``: over
+  the per-client limit, answered 429; ``capacity``: every slot busy, 503),
+  ``aner_http_connections_evicted_total`` (idle ones closed to make room);
 - ``process_resident_memory_bytes``.
 
 The text is ``prometheus_client.generate_latest`` of the app's own registry
@@ -106,7 +112,8 @@ class ServiceMetrics:
         self.timings = {name: Histogram(name, text, ["model"], buckets=SECONDS_BUCKETS, registry=r)
                         for name, (_, text) in _TIMINGS.items()}
         self._mounts: Callable[[], Iterable[Any]] = tuple
-        r.register(_ScrapeTimeCollector(lambda: self._mounts()))
+        self._connections: Callable[[], Any] = lambda: None
+        r.register(_ScrapeTimeCollector(lambda: self._mounts(), lambda: self._connections()))
 
     def model(self, name: str) -> ModelMetrics:
         return ModelMetrics(self, name)
@@ -114,6 +121,10 @@ class ServiceMetrics:
     def watch(self, mounts: Callable[[], Iterable[Any]]) -> None:
         """Read gauges from ``mounts()`` (the served mounts: gate, capacity, scheduler stats) at each scrape."""
         self._mounts = mounts
+
+    def watch_connections(self, registry: Callable[[], Any]) -> None:
+        """Read the connection families from ``registry()`` (a ``ConnectionRegistry``) at each scrape."""
+        self._connections = registry
 
     def request(self, route: str, status: int, seconds: float) -> None:
         """An HTTP request answered (the guard calls this for every request, refused ones included)."""
@@ -128,8 +139,9 @@ class ServiceMetrics:
 class _ScrapeTimeCollector:
     """Gauges read when ``/metrics`` is scraped: in flight, capacity, scheduler stats, native contexts, RSS."""
 
-    def __init__(self, mounts: Callable[[], Iterable[Any]]) -> None:
+    def __init__(self, mounts: Callable[[], Iterable[Any]], connections: Callable[[], Any] = lambda: None) -> None:
         self._mounts = mounts
+        self._connections = connections
 
     def collect(self) -> Iterator[Metric]:
         mounts = list(self._mounts())
@@ -156,6 +168,19 @@ class _ScrapeTimeCollector:
         for m in mounts:
             contexts.add_metric([m.name], m.model.memory_summary().live_contexts)
         yield contexts
+        registry = self._connections()
+        if registry is not None:
+            yield GaugeMetricFamily("aner_http_connections", "Open HTTP connections.", value=registry.open)
+            yield GaugeMetricFamily("aner_http_connections_idle", "Open HTTP connections with no request in flight.",
+                                    value=registry.idle_count)
+            refused = CounterMetricFamily("aner_http_connections_refused",
+                                          "Connections refused at once: over the per-client limit (429) or no "
+                                          "free slot (503).", labels=["reason"])
+            for reason, count in registry.refused.items():
+                refused.add_metric([reason], count)
+            yield refused
+            yield CounterMetricFamily("aner_http_connections_evicted",
+                                      "Idle connections closed to make room for new ones.", value=registry.evicted)
         rss = GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of this process (bytes).")
         rss.add_metric([], psutil.Process().memory_info().rss)
         yield rss

@@ -10,31 +10,40 @@ behind:
   ``unknown_parameter``, as OpenAI itself refuses an unrecognised argument;
 - the request models (``request_bodies``): every honoured, extension or
   ignored field is one of their fields, rejected ones are not;
-- ``docs/openai.md``, whose tables list the same fields with the same
-  handling (``tests/test_api_openai_fields.py`` compares them).
+- ``docs/openai.md``, whose tables are generated from them
+  (``python -m aner_nb.api.openai_fields --write docs/openai.md``;
+  ``--check`` fails when the committed file is stale).
 
-Only fields that cannot change the generated output are *ignored*
-(``user``, ``metadata``, ``store``...). A rejected field is still served
-when its value asks for nothing this service lacks (``n: 1``,
-``logprobs: false``, ``echo: false``) or is ``null``.
+The rows of fields that carry a library request option (``temperature``,
+``top_k``, ``max_completion_tokens``, ``response_format``...) come from the
+option's declaration (:mod:`aner_nb.llm.options`, its ``OpenAIField`` entries);
+the rows here are the rest: the prompt, ``model``, streaming, and every
+field that is rejected or ignored. Only fields that cannot change the
+generated output are *ignored* (``user``, ``metadata``, ``store``...). A
+rejected field is still served when its value asks for nothing this service
+lacks (``n: 1``, ``logprobs: false``, ``echo: false``) or is ``null``.
 """
 
 from __future__ import annotations
 
+import argparse
+import re
+import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
+from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, EXTENSION, HONOURED, OPENAI_ROUTES, REGISTRY, Registry
 from .errors import ApiError
 
 __all__ = [
     "HONOURED", "EXTENSION", "IGNORED", "REJECTED", "FieldPolicy", "CHAT_FIELDS", "COMPLETION_FIELDS",
-    "refuse_unsupported",
+    "route_fields", "refuse_unsupported", "field_table", "render_doc",
 ]
 
-HONOURED = "honoured"  # OpenAI's field, served as OpenAI describes it
-EXTENSION = "extension"  # not OpenAI's: a sampling option llama.cpp's server also accepts
 IGNORED = "ignored"  # accepted; cannot change the output
 REJECTED = "rejected"  # 400 unsupported_parameter unless its value is null or one of ``served``
+_ORDER = (HONOURED, EXTENSION, REJECTED, IGNORED)
 
 
 @dataclass(frozen=True)
@@ -54,79 +63,79 @@ class FieldPolicy:
         return not any(type(value) is type(ok) and value == ok for ok in self.served)
 
 
-def _table(*rows: FieldPolicy) -> dict[str, FieldPolicy]:
-    return {row.name: row for row in rows}
+_MODEL = FieldPolicy("model", HONOURED, "a served model id (see `/v1/models`); with one served model any value")
+_N = FieldPolicy("n", REJECTED, "one choice per request; `1` is served", served=(1,))
+_LOGIT_BIAS = FieldPolicy("logit_bias", REJECTED, "token biases are not applied; `{}` is served", served=({},))
+_USER = FieldPolicy("user", IGNORED, "an end-user id for OpenAI's abuse monitoring")
+_STREAM_OPTIONS = ("`include_usage: true` adds the usage chunk; `include_obfuscation` is accepted and ignored "
+                   "(no padding is added)")
+
+# The fields that carry no library option, per route (option fields are added from the registry).
+_OTHER_FIELDS: dict[str, tuple[FieldPolicy, ...]] = {
+    CHAT_ROUTE: (
+        FieldPolicy("messages", HONOURED, "`system`, `developer` (as system), `user`, `assistant`; content a "
+                    "string or text parts; rendered with the model's chat template"),
+        _MODEL,
+        FieldPolicy("stream", HONOURED, "server-sent events (see Streaming)"),
+        FieldPolicy("stream_options", HONOURED, _STREAM_OPTIONS),
+        _N,
+        FieldPolicy("logprobs", REJECTED, "log probabilities are not returned; `false` is served", served=(False,)),
+        FieldPolicy("top_logprobs", REJECTED, "log probabilities are not returned; `0` is served", served=(0,)),
+        FieldPolicy("modalities", REJECTED, "text only; `[\"text\"]` is served", served=(["text"],)),
+        FieldPolicy("audio", REJECTED, "no audio output"),
+        FieldPolicy("tools", REJECTED, "no tool calling"),
+        FieldPolicy("tool_choice", REJECTED, "no tool calling; `\"none\"` is served", served=("none",)),
+        FieldPolicy("parallel_tool_calls", REJECTED, "no tool calling"),
+        FieldPolicy("functions", REJECTED, "no function calling (deprecated by OpenAI too)"),
+        FieldPolicy("function_call", REJECTED, "no function calling; `\"none\"` is served", served=("none",)),
+        _LOGIT_BIAS,
+        FieldPolicy("prediction", REJECTED, "no predicted outputs"),
+        FieldPolicy("reasoning_effort", REJECTED, "the served models have no reasoning mode"),
+        FieldPolicy("verbosity", REJECTED, "no verbosity control"),
+        FieldPolicy("web_search_options", REJECTED, "no web search"),
+        FieldPolicy("moderation", REJECTED, "no moderation"),
+        _USER,
+        FieldPolicy("safety_identifier", IGNORED, "an end-user id for OpenAI's abuse monitoring"),
+        FieldPolicy("metadata", IGNORED, "tags for OpenAI's stored completions"),
+        FieldPolicy("store", IGNORED, "nothing is stored"),
+        FieldPolicy("service_tier", IGNORED, "one tier"),
+        FieldPolicy("prompt_cache_key", IGNORED, "a cache routing hint; the service's prefix cache (if any) is its own"),
+        FieldPolicy("prompt_cache_options", IGNORED, "a cache lifetime hint"),
+        FieldPolicy("prompt_cache_retention", IGNORED, "a cache lifetime hint"),
+    ),
+    COMPLETIONS_ROUTE: (
+        FieldPolicy("prompt", HONOURED, "a string, or a list of exactly one string; token-id prompts are 422, "
+                    "several prompts 400 `unsupported_parameter`"),
+        _MODEL,
+        FieldPolicy("stream", HONOURED, "server-sent `text_completion` chunks (see Streaming)"),
+        FieldPolicy("stream_options", HONOURED, _STREAM_OPTIONS),
+        FieldPolicy("echo", REJECTED, "the prompt is not echoed; `false` is served", served=(False,)),
+        _N,
+        FieldPolicy("best_of", REJECTED, "one candidate per request; `1` is served", served=(1,)),
+        FieldPolicy("logprobs", REJECTED, "log probabilities are not returned"),
+        FieldPolicy("suffix", REJECTED, "no insertion (fill-in-the-middle)"),
+        _LOGIT_BIAS,
+        _USER,
+    ),
+}
 
 
-# The rows both routes have.
-_COMMON = (
-    FieldPolicy("model", HONOURED, "a served model id (see `/v1/models`); with one served model any value"),
-    FieldPolicy("temperature", HONOURED, "0..2; omitted means 1 (OpenAI's default); 0 is greedy (plain argmax)"),
-    FieldPolicy("top_p", HONOURED, "0..1, default 1 (off): nucleus sampling on llama.cpp's sampler chain"),
-    FieldPolicy("presence_penalty", HONOURED, "-2..2, default 0: subtracted once from every token already generated"),
-    FieldPolicy("frequency_penalty", HONOURED, "-2..2, default 0: subtracted per occurrence of a generated token"),
-    FieldPolicy("seed", HONOURED, "0..2**32-1; omitted: a fresh random seed. The seed used is returned as `seed`"),
-    FieldPolicy("stop", HONOURED, "a string or up to 16; the text ends before the first match (not included)"),
-    FieldPolicy("stream", HONOURED, "server-sent events, ending with `data: [DONE]`; `: keep-alive` comments "
-                "while the request waits or prefills"),
-    FieldPolicy("stream_options", HONOURED, "`include_usage: true` adds a last chunk with `choices: []` and "
-                "`usage`; `include_obfuscation` is accepted and ignored (no padding is added)"),
-    FieldPolicy("top_k", EXTENSION, "0..vocabulary size, default 0 (off): keep the k most likely tokens"),
-    FieldPolicy("min_p", EXTENSION, "0..1, default 0 (off): drop tokens below min_p times the top probability"),
-    FieldPolicy("repeat_penalty", EXTENSION, "> 0, default 1 (off): llama.cpp's repetition penalty"),
-    FieldPolicy("repeat_last_n", EXTENSION, ">= 0, default 64: tokens the penalties look back over"),
-    FieldPolicy("grammar", EXTENSION, "a GBNF grammar the output must match; not with `response_format` json"),
-    FieldPolicy("n", REJECTED, "one choice per request; `1` is served", served=(1,)),
-    FieldPolicy("logit_bias", REJECTED, "token biases are not applied; `{}` is served", served=({},)),
-    FieldPolicy("user", IGNORED, "an end-user id for OpenAI's abuse monitoring"),
-)
+def route_fields(route: str, registry: Registry = REGISTRY) -> dict[str, FieldPolicy]:
+    """Every field of an OpenAI route, grouped honoured, extension, rejected, ignored (the docs' order)."""
+    others = _OTHER_FIELDS[route]
+    rows = [*others[:2]]  # the prompt and model lead
+    rows += [FieldPolicy(f.name, f.handling, f.note) for option in registry for f in option.fields_on(route)]
+    rows += others[2:]
+    table: dict[str, FieldPolicy] = {}
+    for row in sorted(rows, key=lambda r: _ORDER.index(r.handling)):
+        if row.name in table:
+            raise ValueError(f"{route}: field {row.name!r} is declared twice")
+        table[row.name] = row
+    return table
 
-_RESPONSE_FORMAT = ("`{\"type\": \"text\"}`: unconstrained; `{\"type\": \"json_object\"}`: a JSON object; "
-                    "`{\"type\": \"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}`: JSON valid "
-                    "against `schema`, enforced by a grammar whatever `strict` says (`name` and `description` are "
-                    "not shown to the model); an unsupported schema feature is a 400 naming it")
 
-CHAT_FIELDS: dict[str, FieldPolicy] = _table(
-    FieldPolicy("messages", HONOURED, "`system`, `developer` (as system), `user`, `assistant`; content a string "
-                "or text parts; rendered with the model's chat template"),
-    FieldPolicy("max_completion_tokens", HONOURED, "most tokens to generate; default: the service's output limit"),
-    FieldPolicy("max_tokens", HONOURED, "alias of `max_completion_tokens` (this one wins when both are given)"),
-    *_COMMON,
-    FieldPolicy("response_format", HONOURED, _RESPONSE_FORMAT),
-    FieldPolicy("logprobs", REJECTED, "log probabilities are not returned; `false` is served", served=(False,)),
-    FieldPolicy("top_logprobs", REJECTED, "log probabilities are not returned; `0` is served", served=(0,)),
-    FieldPolicy("modalities", REJECTED, "text only; `[\"text\"]` is served", served=(["text"],)),
-    FieldPolicy("audio", REJECTED, "no audio output"),
-    FieldPolicy("tools", REJECTED, "no tool calling"),
-    FieldPolicy("tool_choice", REJECTED, "no tool calling; `\"none\"` is served", served=("none",)),
-    FieldPolicy("parallel_tool_calls", REJECTED, "no tool calling"),
-    FieldPolicy("functions", REJECTED, "no function calling (deprecated by OpenAI too)"),
-    FieldPolicy("function_call", REJECTED, "no function calling; `\"none\"` is served", served=("none",)),
-    FieldPolicy("prediction", REJECTED, "no predicted outputs"),
-    FieldPolicy("reasoning_effort", REJECTED, "the served models have no reasoning mode"),
-    FieldPolicy("verbosity", REJECTED, "no verbosity control"),
-    FieldPolicy("web_search_options", REJECTED, "no web search"),
-    FieldPolicy("moderation", REJECTED, "no moderation"),
-    FieldPolicy("safety_identifier", IGNORED, "an end-user id for OpenAI's abuse monitoring"),
-    FieldPolicy("metadata", IGNORED, "tags for OpenAI's stored completions"),
-    FieldPolicy("store", IGNORED, "nothing is stored"),
-    FieldPolicy("service_tier", IGNORED, "one tier; the answer does not echo it"),
-    FieldPolicy("prompt_cache_key", IGNORED, "a cache routing hint; this service's prefix cache (if any) is its own"),
-    FieldPolicy("prompt_cache_options", IGNORED, "a cache lifetime hint"),
-    FieldPolicy("prompt_cache_retention", IGNORED, "a cache lifetime hint"),
-)
-
-COMPLETION_FIELDS: dict[str, FieldPolicy] = _table(
-    FieldPolicy("prompt", HONOURED, "a string, or a list of exactly one string, evaluated as is (no chat "
-                "template; the model's BOS rule applies); token-id prompts and several prompts are refused"),
-    FieldPolicy("max_tokens", HONOURED, "most tokens to generate; default 16 (OpenAI's), at most the output limit"),
-    *_COMMON,
-    FieldPolicy("response_format", EXTENSION, "as on `/v1/chat/completions`"),
-    FieldPolicy("echo", REJECTED, "the prompt is not echoed; `false` is served", served=(False,)),
-    FieldPolicy("best_of", REJECTED, "one candidate per request; `1` is served", served=(1,)),
-    FieldPolicy("logprobs", REJECTED, "log probabilities are not returned"),
-    FieldPolicy("suffix", REJECTED, "no insertion (fill-in-the-middle)"),
-)
+CHAT_FIELDS: dict[str, FieldPolicy] = route_fields(CHAT_ROUTE)
+COMPLETION_FIELDS: dict[str, FieldPolicy] = route_fields(COMPLETIONS_ROUTE)
 
 
 def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy], route: str) -> None:
@@ -143,3 +152,55 @@ def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy
         if policy.refuses(value):
             raise ApiError(400, f"{name} is not supported by this service ({policy.note})",
                            param=name, code="unsupported_parameter")
+
+
+# -- docs/openai.md -----------------------------------------------------------------------------------------
+_BEGIN = "<!-- fields {route}: generated by python -m aner_nb.api.openai_fields --write docs/openai.md -->"
+_END = "<!-- end fields -->"
+
+
+def field_table(route: str, registry: Registry = REGISTRY) -> str:
+    """The markdown table of a route's fields; a row the chat route has with the same note says "as on chat"."""
+    chat = route_fields(CHAT_ROUTE, registry)
+    lines = ["| field | handling | how |", "|---|---|---|"]
+    for row in route_fields(route, registry).values():
+        same = route != CHAT_ROUTE and row.name in chat and chat[row.name].note == row.note
+        lines.append(f"| `{row.name}` | {row.handling} | {'as on chat' if same else row.note} |")
+    return "\n".join(lines)
+
+
+def render_doc(text: str, registry: Registry = REGISTRY, routes: Sequence[str] = OPENAI_ROUTES) -> str:
+    """``text`` (docs/openai.md) with each route's marked table region replaced by its generated table."""
+    for route in routes:
+        begin = _BEGIN.format(route=route)
+        pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(_END), re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no generated-table region for {route} (a line {begin!r} ... {_END!r})")
+        text = pattern.sub(lambda _: f"{begin}\n{field_table(route, registry)}\n{_END}", text, count=1)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aner_nb.api.openai_fields",
+                                description="Regenerate (or check) the field tables of docs/openai.md.")
+    p.add_argument("doc", nargs="?", default=str(Path(__file__).resolve().parents[2] / "docs" / "openai.md"))
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the tables in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 when the tables are stale")
+    args = p.parse_args(argv)
+    path = Path(args.doc)
+    old = path.read_text(encoding="utf-8")
+    new = render_doc(old)
+    if args.check:
+        if new != old:
+            print(f"{path}: the field tables are stale; run python -m aner_nb.api.openai_fields --write {path}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        path.write_text(new, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

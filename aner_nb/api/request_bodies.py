@@ -9,6 +9,10 @@ the field.
 - ``/chat`` (the seed route) takes the library's request options under
   their own names with the library's defaults, and refuses unknown fields
   (422), so a misspelt option fails instead of being ignored.
+- Every field that carries a library option takes its type, bounds, default
+  and description from the option's declaration (:mod:`aner_nb.llm.options`),
+  so ``/openapi.json`` states the declared bounds; ``request_models`` takes
+  the registry to build from.
 - The OpenAI routes declare every field they honour or ignore (see
   ``openai_fields``); anything else arrives as an extra field and is
   answered 400 by ``openai_fields.refuse_unsupported``. Their sampling
@@ -21,18 +25,17 @@ are left to it: its error names the field and becomes a 400.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ..llm.profiles import MAX_SEED, MAX_STOP_STRINGS, RequestSettings
-from .openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, IGNORED, FieldPolicy
+from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, REGISTRY, Option, OpenAIField, Registry
+from .openai_fields import IGNORED, FieldPolicy, route_fields
 
-__all__ = ["RequestModels", "request_models", "Message", "StreamOptions", "ResponseFormat", "JsonSchemaFormat"]
+__all__ = ["RequestModels", "request_models", "option_fields", "SEED_ROUTE", "Message", "StreamOptions",
+           "ResponseFormat", "JsonSchemaFormat"]
 
-Stop = Optional[Union[str, list[str]]]
-_LIBRARY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RequestSettings)}
+SEED_ROUTE = "seed"  # the /chat route (mounted at any path): options under their own names
 
 
 class _Closed(BaseModel):
@@ -88,28 +91,58 @@ class JsonSchemaFormat(_Closed):
 
 ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
 
-# Sampling options every POST route takes: (type, bounds, description); the library checks the rest.
-_SAMPLING: dict[str, tuple[type, dict[str, float], str]] = {
-    "top_k": (int, {"ge": 0}, "Keep the k most likely tokens; 0 is off; at most the vocabulary size."),
-    "top_p": (float, {"ge": 0.0, "le": 1.0}, "Nucleus sampling; 1 is off."),
-    "min_p": (float, {"ge": 0.0, "le": 1.0}, "Drop tokens below min_p times the top probability; 0 is off."),
-    "repeat_penalty": (float, {"gt": 0.0}, "llama.cpp's repetition penalty; 1 is off."),
-    "repeat_last_n": (int, {"ge": 0}, "Tokens the penalties look back over."),
-    "presence_penalty": (float, {"ge": -2.0, "le": 2.0}, "Subtracted once from each token already generated."),
-    "frequency_penalty": (float, {"ge": -2.0, "le": 2.0}, "Subtracted per occurrence of a generated token."),
-}
+# The pydantic types of the OpenAI fields that the HTTP layer maps to an option (``calls``).
+MAPPED_TYPES: dict[str, Any] = {"response_format": Optional[ResponseFormat]}
 
 
-def _sampling_fields(*, nullable: bool) -> dict[str, Any]:
-    """The sampling fields: with the library's defaults (``/chat``), or nullable with null = default (OpenAI)."""
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] + ("" if text.endswith(".") else ".")
+
+
+def _bounds(option: Option, cap: int) -> dict[str, Any]:
+    """The declared bounds as pydantic constraints (the output limit caps ``service_cap`` options)."""
+    if option.type not in (int, float):
+        return {}
+    out: dict[str, Any] = {"gt" if option.open_low else "ge": option.type(option.low)}
+    if option.service_cap:
+        out["le"] = cap
+    elif option.schema_high:
+        out["le"] = option.type(option.high)
+    if option.type is float:
+        out["allow_inf_nan"] = False
+    return out
+
+
+def _seed_field(option: Option, cap: int) -> tuple[Any, Any]:
+    if option.service_cap:
+        default, said = cap, " Default: the service's output limit."
+    else:
+        default = option.wire_default
+        said = "" if option.nullable else f" Default {option.default}."
+    return option.wire_type, Field(default, description=_sentence(option.help) + said, **_bounds(option, cap))
+
+
+def _openai_field(option: Option, f: OpenAIField, cap: int) -> tuple[Any, Any]:
+    if f.mapped:
+        return MAPPED_TYPES[f.name], Field(None, description=_sentence(f.note))
+    annotation = option.wire_type if option.nullable else Optional[option.wire_type]
+    return annotation, Field(None, description=_sentence(f.note), **_bounds(option, cap))
+
+
+def option_fields(route: str, *, cap: int, registry: Registry = REGISTRY) -> dict[str, Any]:
+    """The fields carrying library options on ``route`` (:data:`SEED_ROUTE` or an OpenAI route), from the declarations.
+
+    ``/chat``: each option under its own name, with the library's default; the OpenAI routes: each
+    declared field, nullable (null means its default, see ``calls``).
+    """
     out: dict[str, Any] = {}
-    for name, (kind, bounds, text) in _SAMPLING.items():
-        default = _LIBRARY_DEFAULTS[name]
-        extra = {"allow_inf_nan": False} if kind is float else {}
-        annotation = Optional[kind] if nullable else kind
-        out[name] = (annotation, Field(None if nullable else default, description=f"{text} Default {default}.",
-                                       **bounds, **extra))
-    out["grammar"] = (Optional[str], Field(None, description="A GBNF grammar the output must match."))
+    for option in registry:
+        if route == SEED_ROUTE:
+            if option.seed_route:
+                out[option.name] = _seed_field(option, cap)
+            continue
+        for f in option.fields_on(route):
+            out.setdefault(f.name, _openai_field(option, f, cap))
     return out
 
 
@@ -117,10 +150,6 @@ def _ignored_fields(table: dict[str, FieldPolicy]) -> dict[str, Any]:
     """The fields a route accepts and ignores, of any type (they cannot change the output)."""
     return {p.name: (Optional[Any], Field(None, description=f"Accepted and ignored: {p.note}."))
             for p in table.values() if p.handling == IGNORED}
-
-
-def _stop() -> Any:
-    return Field(None, description=f"A stop string or up to {MAX_STOP_STRINGS}; generation ends before the first match.")
 
 
 def _openai_config() -> ConfigDict:
@@ -137,65 +166,52 @@ class RequestModels:
         self.completion = completion
 
 
-def request_models(*, max_tokens: int, max_rows: int) -> RequestModels:
+def request_models(*, max_tokens: int, max_rows: int, registry: Registry = REGISTRY) -> RequestModels:
     """Request models whose ``max_tokens`` is capped at ``max_tokens`` and ``messages`` at ``max_rows``."""
-    return RequestModels(_seed_model(max_tokens), _chat_model(max_tokens, max_rows), _completion_model(max_tokens))
+    return RequestModels(_seed_model(max_tokens, registry), _chat_model(max_tokens, max_rows, registry),
+                         _completion_model(max_tokens, registry))
 
 
 def _common_openai() -> dict[str, Any]:
-    """Fields both OpenAI routes declare the same way."""
+    """Fields both OpenAI routes declare the same way (and carry no library option)."""
     return {
         "model": (Optional[str], Field(None, description="The served model's id (see /v1/models).")),
-        "temperature": (Optional[float], Field(None, ge=0.0, le=2.0, allow_inf_nan=False,
-                                               description="Default 1 (OpenAI's); 0 is greedy.")),
-        "seed": (Optional[int], Field(None, ge=0, le=MAX_SEED,
-                                      description="Default: a fresh random seed, returned as `seed`.")),
-        "stop": (Stop, _stop()),
         "stream": (Optional[bool], Field(False)),
         "stream_options": (Optional[StreamOptions], Field(None)),
-        **_sampling_fields(nullable=True),
     }
 
 
-def _seed_model(cap: int) -> type[BaseModel]:
+def _seed_model(cap: int, registry: Registry) -> type[BaseModel]:
     return create_model(
         "ChatRequest",
         __base__=_Closed,
         __doc__="The seed route: one user prompt, formatted with the model's chat template. Every field but "
                 "`prompt` is a library request option under its own name, with the library's default.",
         prompt=(str, Field(description="The user message.")),
-        max_tokens=(int, Field(cap, ge=0, le=cap, description="Most tokens to generate (default: the cap).")),
-        temperature=(float, Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 is greedy.")),
-        seed=(int, Field(0, ge=0, le=MAX_SEED)),
-        stop=(Stop, _stop()),
-        **_sampling_fields(nullable=False),
-        json_schema=(Optional[dict[str, Any]], Field(None, description="A JSON schema the output must follow.")),
+        **option_fields(SEED_ROUTE, cap=cap, registry=registry),
     )
 
 
-def _chat_model(cap: int, rows: int) -> type[BaseModel]:
+def _chat_model(cap: int, rows: int, registry: Registry) -> type[BaseModel]:
     return create_model(
         "ChatCompletionRequest",
         __config__=_openai_config(),
         __doc__="OpenAI `chat.completions.create`; docs/openai.md lists what each field does here.",
         messages=(list[Message], Field(min_length=1, max_length=rows)),
-        max_tokens=(Optional[int], Field(None, ge=0, le=cap, description="Default: the service's cap.")),
-        max_completion_tokens=(Optional[int], Field(None, ge=0, le=cap, description="Alias of max_tokens.")),
-        response_format=(Optional[ResponseFormat], Field(None)),
         **_common_openai(),
-        **_ignored_fields(CHAT_FIELDS),
+        **option_fields(CHAT_ROUTE, cap=cap, registry=registry),
+        **_ignored_fields(route_fields(CHAT_ROUTE, registry)),
     )
 
 
-def _completion_model(cap: int) -> type[BaseModel]:
+def _completion_model(cap: int, registry: Registry) -> type[BaseModel]:
     return create_model(
         "CompletionRequest",
         __config__=_openai_config(),
         __doc__="OpenAI `completions.create` (legacy): raw text in, no chat template; docs/openai.md lists "
                 "what each field does here.",
         prompt=(Union[str, list[str]], Field(description="The text to continue, as is (a list of one string).")),
-        max_tokens=(Optional[int], Field(None, ge=0, le=cap, description=f"Default {min(16, cap)}.")),
-        response_format=(Optional[ResponseFormat], Field(None, description="An extension: as on chat.")),
         **_common_openai(),
-        **_ignored_fields(COMPLETION_FIELDS),
+        **option_fields(COMPLETIONS_ROUTE, cap=cap, registry=registry),
+        **_ignored_fields(route_fields(COMPLETIONS_ROUTE, registry)),
     )

@@ -5,9 +5,11 @@ picks a free port and ``Server.url`` always names the real one. uvicorn is
 pinned to its asyncio loop and h11 protocol (no optional accelerators whose
 presence would change behaviour between machines), extended with read
 deadlines for request heads and bodies and a lingering close
-(``edges.EdgeProtocol``), and to a connection bound (``limit_concurrency``)
-above the application's own admission limits, as a last defence against
-connection floods.
+(``edges.EdgeProtocol``), and with connection slots of its own
+(``connections.ConnectionRegistry``: a per-client limit, a total limit above
+the application's own admission limits, idle connections evicted oldest
+first) in place of uvicorn's ``limit_concurrency``, which answers every
+request 503 once idle sockets fill it.
 """
 
 from __future__ import annotations
@@ -51,10 +53,12 @@ class Server:
     """A running service: ``url``, ``stop()``, ``wait()``; a context manager; shows itself in notebooks."""
 
     def __init__(self, asgi: Any, *, title: str, host: str, port: int, routes: list[str], models: list[str],
-                 limit_concurrency: int, graceful_s: float = 5.0, log_level: str = "warning",
-                 access_log: bool = False, header_timeout_s: float = 10.0, body_timeout_s: float = 30.0) -> None:
+                 max_connections: int, max_connections_per_client: int = 32, graceful_s: float = 5.0,
+                 log_level: str = "warning", access_log: bool = False, header_timeout_s: float = 10.0,
+                 body_timeout_s: float = 30.0, retry_after_s: int = 1) -> None:
         import uvicorn
 
+        from .connections import ConnectionRegistry
         from .edges import edge_protocol
 
         self.title = title
@@ -66,10 +70,16 @@ class Server:
         self.port = bound_port
         shown = f"[{bound_host}]" if ":" in bound_host else host
         self.url = f"http://{shown}:{bound_port}"
+        self.connections = ConnectionRegistry(max_total=max_connections, max_per_client=max_connections_per_client)
+        metrics = getattr(getattr(asgi, "state", None), "metrics", None)
+        if metrics is not None:
+            metrics.watch_connections(lambda: self.connections)
+        protocol = edge_protocol(header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+                                 registry=self.connections, retry_after_s=retry_after_s)
         config = uvicorn.Config(
-            asgi, loop="asyncio", http=edge_protocol(header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s),
-            ws="none", lifespan="on", log_level=log_level, access_log=access_log,
-            timeout_keep_alive=5, limit_concurrency=limit_concurrency, timeout_graceful_shutdown=graceful_s,
+            asgi, loop="asyncio", http=protocol, ws="none", lifespan="on", log_level=log_level,
+            access_log=access_log, timeout_keep_alive=5, limit_concurrency=None,  # the registry bounds connections
+            timeout_graceful_shutdown=graceful_s,
         )
         if access_log:  # uvicorn logs access lines at INFO: show them whatever the server's level
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)

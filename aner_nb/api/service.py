@@ -3,8 +3,8 @@
 The routes are declared in ``routes``; here each gets its endpoint. A
 request is parsed (``request_bodies``) into a ``Call`` (``calls``: the
 library's arguments, and how the route names its fields), admitted (the
-model is open and its gate has room, else 503), run as a stream on the
-model's worker pool (see ``runtime``), and answered with the route's
+model is open and its gate has room, else 503), run as a stream whose
+pieces the event loop reads as they arrive (see ``runtime``), and answered with the route's
 response model (see ``schemas``): whole, or as SSE chunks (``sse``) with
 keep-alive comments while no text comes. Each request is a stateless call on
 the served lease: with a batching lease concurrent requests become sequences
@@ -17,8 +17,9 @@ annotations, which name request models built per service.
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -28,13 +29,15 @@ from starlette.responses import Response
 
 from .._version import __version__
 from ..llm import errors as llm_errors
+from .config import ServiceConfig
 from .calls import Call, chat_call, completion_call, seed_call
 from .errors import ApiError, busy, from_library, install_handlers
 from .guard import Guard
+from .origin import HostPolicy, OriginGuard, OriginPolicy
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServiceMetrics
 from .request_bodies import request_models
-from .routes import OPEN_PATHS, MountSpec, Route, metric_labels, service_routes
+from .routes import OPEN_PATHS, Route, metric_labels, service_routes
 from .runtime import ClientGone, Generation, Mount, RequestTimeout
 from .schemas import (ChatAnswer, ChatCompletion, ChatCompletionChunk, Envelope, Health, ModelCard, ModelHealth,
                       ModelList, TextCompletion, TextCompletionChunk)
@@ -45,41 +48,20 @@ __all__ = ["ServiceConfig", "Service", "build_app"]
 log = logging.getLogger("aner_nb.api")
 
 
-@dataclass(frozen=True)
-class ServiceConfig:
-    """Everything the application needs; built and validated by :class:`aner_nb.api.App`."""
-
-    title: str
-    mounts: tuple[MountSpec, ...]
-    max_rows: int = 64
-    timeout_ms: int = 120_000
-    max_body_bytes: int = 1 << 20
-    max_concurrent: Optional[int] = None
-    retry_after_s: int = 1
-    max_tokens: int = 256
-    bearer_token: Optional[str] = field(default=None, repr=False)
-    sse_keepalive_s: float = 15.0  # 0: no keep-alive comments
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the service; none by default
-    body_timeout_s: float = 30.0  # a request body still arriving this long after its head is answered 408
-
-
 # -- admission, running, answers ---------------------------------------------------------------
 class Service:
     """One application's served models, and how a request is admitted, run and answered on them.
 
     Endpoints are its methods or close over it, and FastAPI caches endpoints
     process-wide: it holds the mounts (which let go of their leases at
-    shutdown) and scalar settings, never a lease or the config's specs.
+    shutdown) and its config without the specs (they hold the leases).
     """
 
     def __init__(self, config: ServiceConfig, mounts: list[Mount], metrics: ServiceMetrics) -> None:
+        self.config = dataclasses.replace(config, mounts=())  # the settings as given, no lease
         self.mounts = mounts
         self.by_name = {m.name: m for m in mounts}
         self.metrics = metrics
-        self.max_tokens = config.max_tokens
-        self.keepalive_s = config.sse_keepalive_s
-        self.timeout_ms = config.timeout_ms
-        self.retry_after_s = config.retry_after_s
 
     def mount_for(self, model_id: Optional[str]) -> Mount:
         if len(self.mounts) == 1:
@@ -97,13 +79,13 @@ class Service:
         if not mount.gate.try_enter():
             mount.metrics.count("busy_rejections")
             raise busy(f"model {mount.name!r} is busy: {mount.capacity} requests are running or queued; "
-                       f"retry after {self.retry_after_s} s", self.retry_after_s)
+                       f"retry after {self.config.retry_after_s} s", self.config.retry_after_s)
         mount.metrics.count("requests")
 
     async def admit(self, mount: Mount, call: Call) -> Generation:
         """Admit ``call`` on ``mount`` and start its stream; its slot is held until the stream ends."""
         self._enter(mount)
-        generation = Generation(mount, self.timeout_ms / 1000.0)
+        generation = Generation(mount, self.config.timeout_ms / 1000.0)
         model = mount.model
         try:
             await generation.open(lambda: call.start(model))
@@ -135,13 +117,13 @@ class Service:
         return response
 
     def timeout_error(self) -> ApiError:
-        return ApiError(504, f"the request ran past this service's timeout of {self.timeout_ms} ms; "
+        return ApiError(504, f"the request ran past this service's timeout of {self.config.timeout_ms} ms; "
                         "its generation was cancelled", type="timeout_error", code="timeout")
 
     def library_error(self, mount: Mount, exc: BaseException, call: Call) -> ApiError:
         """The answer for a library error raised by ``call``, counted and logged."""
         error = from_library(exc, fields=call.fields, prompt_field=call.prompt_field,
-                             retry_after_s=self.retry_after_s, renames=call.renames)
+                             retry_after_s=self.config.retry_after_s, renames=call.renames)
         if isinstance(exc, llm_errors.BusyError):
             mount.metrics.count("busy_rejections")
         if error.status >= 500 and error.status != 503:
@@ -155,7 +137,7 @@ class Service:
         if opening is not None:
             yield event(opening)
         try:
-            async for piece in with_keepalive(generation.pieces(), self.keepalive_s):
+            async for piece in with_keepalive(generation.pieces(), self.config.sse_keepalive_s):
                 yield KEEPALIVE if piece is None else event(chunks.text(envelope, piece))
             response = self.finished(mount, generation, call)
         except RequestTimeout:
@@ -227,7 +209,7 @@ def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> C
 
     async def openai_completion(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
         mount = service.mount_for(body.model)
-        call = route.make_call(body, service.max_tokens)
+        call = route.make_call(body, service.config.max_tokens)
         generation = await service.admit(mount, call)
         envelope = Envelope.new(route.id_prefix, mount.name, mount.model.fingerprint, call.seed)
         if body.stream:
@@ -255,19 +237,25 @@ def build_app(config: ServiceConfig) -> FastAPI:
                   description="Local GGUF models over HTTP (aner_nb): the seed /chat route and OpenAI-compatible "
                   "routes.", lifespan=_lifespan(mounts))
     app.state.mounts = mounts
+    app.state.metrics = metrics  # a Server adds its connection registry's families (watch_connections)
     install_handlers(app)
-    endpoints = _endpoints(service, request_models(max_tokens=config.max_tokens, max_rows=config.max_rows))
+    endpoints = _endpoints(service, request_models(max_tokens=config.max_tokens, max_rows=config.max_rows,
+                                                   registry=config.registry))
     for route in routes:
         if not route.builtin:
             _add_route(app, route, endpoints[route.name])
-    app.openapi = _openapi(app, bearer=config.bearer_token is not None)  # type: ignore[method-assign]
+    app.openapi = _openapi(app, bearer=config.authenticated)  # type: ignore[method-assign]
+    labels = metric_labels(routes)
     app.add_middleware(Guard, max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s,
-                       bearer_token=config.bearer_token,
-                       open_paths=OPEN_PATHS, routes=metric_labels(routes), record=metrics.request)
-    if config.cors_origins:  # added last, so outermost: preflights are answered before the token check
+                       bearer_token=config.bearer_token, api_keys=config.api_keys,
+                       open_paths=OPEN_PATHS, routes=labels, record=metrics.request)
+    if config.cors_origins:  # outside the Guard: preflights are answered before the token check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type"], expose_headers=["retry-after"],
                            max_age=600)
+    # Added last, so outermost: a Host or Origin that is not allowed is refused before CORS, auth or routing.
+    app.add_middleware(OriginGuard, hosts=HostPolicy(config.host, config.allowed_hosts),
+                       origins=OriginPolicy(config.cors_origins), record=metrics.request, routes=labels)
     return app
 
 

@@ -2,7 +2,7 @@
 
 from ..llm.diagnostics import BatchShape, Divergence, first_divergence as divergence, is_near_tie
 from .harness import BenchResult, Case, Side, lease_side, manifest, response_row, run_sides
-from .evidence import BenchmarkBusyError, environment, exclusive, lease_settings
+from .evidence import BenchmarkBusyError, LeaseSettings, environment, exclusive, lease_settings
 from .paired import Series, abba, compare, format_comparison
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "environment",
     "exclusive",
     "lease_settings",
+    "LeaseSettings",
     "BenchmarkBusyError",
     "format_comparison",
 ]

@@ -4,7 +4,8 @@
 system info string, package versions, git revision, load average);
 ``lease_settings(model)`` the settings a lease really runs with (resolved
 ``n_threads`` / ``n_threads_batch``, batch sizes, flash attention, KV type,
-context). ``exclusive()`` is a machine-wide lock: two benchmarks running at once
+context), a frozen :class:`LeaseSettings` whose JSON form for a manifest is
+:meth:`LeaseSettings.as_dict` (``dataclasses.asdict``). ``exclusive()`` is a machine-wide lock: two benchmarks running at once
 on a 2-core machine measure each other, so the second one refuses to start.
 """
 
@@ -19,10 +20,16 @@ import subprocess
 import threading
 import time
 from importlib.metadata import PackageNotFoundError, version
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
-__all__ = ["BenchmarkBusyError", "environment", "lease_settings", "exclusive", "git_revision", "load_average"]
+if TYPE_CHECKING:
+    from ..llm import Profile
+
+__all__ = [
+    "BenchmarkBusyError", "environment", "LeaseSettings", "lease_settings", "exclusive", "git_revision", "load_average",
+]
 
 _PACKAGES = ("aner-nb", "llama-cpp-python", "numpy", "gguf")
 
@@ -60,46 +67,66 @@ def load_average() -> list[float]:
 
 def environment() -> dict[str, Any]:
     """The machine and build a result was measured on, with the build's CPU features."""
-    from ..llm import _engine, cpu_guard
+    from ..llm import system_info
 
-    import psutil
-
+    system = system_info()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor() or "unknown",
-        "cpu": cpu_guard.cpu_signature()[1],
-        "cpu_count_logical": psutil.cpu_count(logical=True),
-        "cpu_count_physical": psutil.cpu_count(logical=False),
-        "llama_cpp_python": _package_version("llama-cpp-python"),
+        "cpu": system.cpu,
+        "cpu_count_logical": system.cpu_count_logical,
+        "cpu_count_physical": system.cpu_count_physical,
+        "default_threads": list(system.default_threads),  # what threads=0 resolves to here: (decode, prefill)
+        "llama_cpp_python": system.llama_cpp_python,
         "packages": {p: _package_version(p) for p in _PACKAGES},
         # llama.cpp's own list of the instruction sets this build compiled in (not the CPU's).
-        "system_info": _engine.system_info() if _engine.native_available() else "unavailable",
+        "system_info": system.build_info if system.native_available else "unavailable",
         "git_revision": git_revision(),
         "load_average": load_average(),
     }
 
 
-def lease_settings(model: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LeaseSettings:
     """The engine settings a lease's contexts are created with, resolved (no ``0 = default`` left)."""
+
+    context: int
+    kv_cache_type: str
+    flash_attention: str
+    cpu_extra_buffers: str
+    n_threads: int
+    n_threads_batch: int
+    n_batch: int
+    n_ubatch: int
+    kind: str
+    profile: "Profile"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form for a manifest (the profile as nested dicts)."""
+        return dataclasses.asdict(self)
+
+
+def lease_settings(model: Any) -> LeaseSettings | None:
+    """The settings ``model`` (a lease) runs with; None for anything that is not a lease."""
     from ..llm import Lease
 
     if not isinstance(model, Lease):
-        return {}
+        return None
     params, load = model.context_params, model.load_summary()
-    return {
-        "context": model.context,
-        "kv_cache_type": params.kv_cache_type,
-        "flash_attention": params.flash_attention,
-        "cpu_extra_buffers": load.cpu_extra_buffers,
-        "n_threads": params.n_threads,
-        "n_threads_batch": params.n_threads_batch,
-        "n_batch": params.n_batch,
-        "n_ubatch": params.n_ubatch,
-        "kind": model.kind,
-        "profile": dataclasses.asdict(model.profile),
-    }
+    return LeaseSettings(
+        context=model.context,
+        kv_cache_type=params.kv_cache_type,
+        flash_attention=params.flash_attention,
+        cpu_extra_buffers=load.cpu_extra_buffers,
+        n_threads=params.n_threads,
+        n_threads_batch=params.n_threads_batch,
+        n_batch=params.n_batch,
+        n_ubatch=params.n_ubatch,
+        kind=model.kind,
+        profile=model.profile,
+    )
 
 
 _held = threading.local()

@@ -90,12 +90,13 @@ def manifest(model: Any = None, **extra: Any) -> dict[str, Any]:
     """What a result was measured with: machine, build, packages, model fingerprint and resolved settings."""
     out: dict[str, Any] = environment()
     if model is not None:
+        settings = lease_settings(model)
         out["model"] = {
             "name": model.name,
             "fingerprint": model.fingerprint,
             "architecture": model.architecture,
             "device": model.device,
-            **lease_settings(model),
+            **(settings.as_dict() if settings is not None else {}),
         }
     out.update(extra)
     return out

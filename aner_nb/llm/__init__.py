@@ -1,7 +1,7 @@
 """The library: load GGUF models as leases, run requests, measure them.
 
-``from aner_nb import llm`` then ``model = llm.load(path)``; see DESIGN.md and
-the README for the contract. This package never imports IPython, widgets or
+``from aner_nb import llm`` then ``model = llm.load(path)``; see the README and
+docs/ (the project's design contract, DESIGN.md, is kept outside this repository). This package never imports IPython, widgets or
 HTTP code; only ``_engine`` imports llama_cpp.
 """
 
@@ -13,18 +13,21 @@ from . import errors
 from .adapters import AdapterInfo, AdapterManifest, read_manifest, write_manifest
 from .artifact import SUPPORTED_ARCHITECTURES, AdapterFacts, ModelFacts, inspect_adapter, inspect_model, sha256_file
 from .batching import BatchingModel, BatchingSettings, with_batching
+from .catalog import ModelEntry, find_models, models, resolve_model
 from .chat import BUILTIN_TEMPLATES, ChatTemplate
 from .lease import LLMModel
-from .protocol import FEATURES, KINDS, Lease, LeaseKind
+from .protocol import BUILDERS, FEATURES, KINDS, Lease, LeaseKind
 from .loader import load, native_available, resolve_device
 from .memory import KV_CACHE_TYPES, kv_estimate
 from .profiles import LoadSettings, OptimizerSettings, Profile, RequestSettings
+from .frame_map import INTERRUPTED, MapStats
 from .response import Response, Usage
 from .timings import Timings, timing_fields
 from .scheduler import SchedulerStats
 from .session import Session
 from .stream import Stream
 from .summary import MemorySummary
+from .system import SystemInfo, system_info
 from .weights import LoadSummary
 
 if TYPE_CHECKING:
@@ -49,13 +52,21 @@ def with_adapter(model: LLMModel, manifest_path: "str | os.PathLike[str]") -> LL
 __all__ = [
     "errors",
     "load",
+    "models",
+    "find_models",
+    "resolve_model",
+    "ModelEntry",
     "native_available",
+    "system_info",
+    "SystemInfo",
     "resolve_device",
     "with_optimizer",
     "with_context_pool",
     "with_batching",
     "with_adapter",
     "Lease",
+    "MapStats",
+    "INTERRUPTED",
     "LeaseKind",
     "KINDS",
     "LLMModel",
@@ -82,6 +93,7 @@ __all__ = [
     "kv_estimate",
     "KV_CACHE_TYPES",
     "FEATURES",
+    "BUILDERS",
     "SUPPORTED_ARCHITECTURES",
     "BUILTIN_TEMPLATES",
     "ChatTemplate",

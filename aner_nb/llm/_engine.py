@@ -6,34 +6,36 @@ batch, sampler chain) and frees it exactly once, either explicitly or from a
 this module only translates between Python values and the C API of the pinned
 llama-cpp-python 0.3.36.
 
-Tests can arm faults at these calls (:func:`inject`, :class:`Fault`): a failed
+Tests can arm faults at these calls (``faults.inject``, ``faults.Fault``): a failed
 or refused decode, a tokenizer or free failure, a file changed around the load.
-It is off by default and the only mutable module state besides the notebook's
-handle registry.
+The seam lives in ``faults.py``; this module mirrors the armed injection in
+``_faults`` (None by default), so each call pays one global lookup. llama.cpp's
+log lines are forwarded, captured and parsed by ``engine_log.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import ctypes
 import logging
 import os
-import re
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import engine_log, faults
+from .engine_log import KV_LOG_RESOLUTION, KVBuffer, kv_buffers
 from .errors import ConfigurationError, EngineError, NativeUnavailableError
+from .faults import NO_FAULT as _NO_FAULT, Injection
 
 __all__ = [
     "native_available",
     "supports_gpu_offload",
     "accelerator_kind",
     "system_info",
+    "build_flags",
     "default_threads",
     "pairs_batch_columns",
     "ContextParams",
@@ -52,10 +54,6 @@ __all__ = [
     "json_schema_grammar",
     "DECODE_OK",
     "DECODE_NO_KV_SLOT",
-    "FAULT_POINTS",
-    "Fault",
-    "Injection",
-    "inject",
 ]
 
 log = logging.getLogger("aner_nb.engine")
@@ -86,29 +84,10 @@ def _llama() -> Any:
         except Exception as exc:  # ImportError, OSError from the shared library
             _lib_error = exc
             raise NativeUnavailableError(f"llama-cpp-python is not usable: {exc}") from exc
-        _log_callback = lib.llama_log_callback(_forward_native_log)
+        _log_callback = lib.llama_log_callback(engine_log.forward)
         lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
         _lib = lib
         return lib
-
-
-# ggml_log_level: 0 none, 1 info, 2 warn, 3 error, 4 debug, 5 continuation of the previous line.
-_LOG_LEVELS = {0: logging.DEBUG, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.DEBUG}
-
-
-# The native log lines of the llama_init_from_model call running on this thread (None: not
-# capturing). llama.cpp logs from the calling thread, and reports its KV buffers only there.
-_capture = threading.local()
-
-
-def _forward_native_log(level: int, text: bytes, _user_data: Any) -> None:
-    lines = getattr(_capture, "lines", None)
-    if lines is not None and text:
-        lines.append(text.decode("utf-8", "replace"))
-    # Native warnings are mostly informational for this toolkit (e.g. "n_ctx_seq < n_ctx_train"),
-    # so they are demoted one level; real failures surface as return codes, which we check.
-    if text and log.isEnabledFor(logging.DEBUG):
-        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "%s", text.decode("utf-8", "replace").rstrip("\n"))
 
 
 def native_available() -> bool:
@@ -157,10 +136,15 @@ def pairs_batch_columns(weight_type: str | None, info: str | None = None) -> boo
     """
     if weight_type not in _TINYBLAS_Q0_TYPES:
         return False
+    on = build_flags(info)
+    return {"AVX2", "LLAMAFILE"} <= on and not any(flag.startswith("AVX512") for flag in on)
+
+
+def build_flags(info: str | None = None) -> frozenset[str]:
+    """The flags set to 1 in llama.cpp's system info string (``info``, default this build's)."""
     # "CPU : SSE3 = 1 | AVX2 = 1 | ... | LLAMAFILE = 1 |": a backend name prefixes its first flag.
     parts = (part.partition("=") for part in (info or system_info()).split("|"))
-    on = {key.rpartition(":")[2].strip() for key, _, value in parts if value.strip() == "1"}
-    return {"AVX2", "LLAMAFILE"} <= on and not any(flag.startswith("AVX512") for flag in on)
+    return frozenset(key.rpartition(":")[2].strip() for key, _, value in parts if value.strip() == "1")
 
 
 THREADS_ENV = "ANER_NB_THREADS"
@@ -216,131 +200,22 @@ class ContextParams:
     adapter: "NativeAdapter | None" = field(default=None, repr=False)
 
 
-# -- test seam: fault injection at the engine edge ------------------------------------------
-# The one piece of mutable module state besides the notebook's handle registry, and it is for
-# tests only: off by default (``_faults is None``), so each engine call below pays one global
-# lookup. ``inject(...)`` arms it for the duration of a ``with`` block.
-
-FAULT_POINTS = (
-    "model_load",  # before llama_model_load_from_file; subject: the path
-    "model_loaded",  # after the weights loaded, before NativeModel returns; subject: the NativeModel
-    "context_init",  # before llama_init_from_model; subject: the NativeModel
-    "decode",  # NativeContext.decode; subject: the context, args: (batch,)
-    "seq_rm",  # NativeContext.seq_rm (trims, releases); subject: the context, args: (seq, p0, p1)
-    "tokenize",  # NativeModel.tokenize; subject: the model, args: (text,)
-    "token_bytes",  # NativeModel.token_bytes (detokenizing one token); subject: the model, args: (token,)
-    "free",  # _Owner.free of a live handle, before it is freed; subject: the owner
-    "sampler_init",  # before a sampler chain is built; subject: the model, args: (spec,)
-)
+# -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --
+_faults: Injection | None = None
 
 
-@dataclass(frozen=True)
-class Fault:
-    """One fault the test seam injects at an engine call (see :func:`inject`).
-
-    The first ``after`` matching calls at ``point`` pass; the next ``times``
-    ones fire. A call matches when ``when(subject, *args)`` is true (no
-    ``when``: every call). Firing runs ``action(subject, *args)`` first (to
-    cancel a request or change a file at exactly that moment), then returns
-    ``result`` instead of making the engine call (``decode``: a return code,
-    1 = no KV slot, < 0 an error; ``seq_rm``: False = refused), or raises
-    ``error``. A fault with none of the three raises an EngineError.
-    """
-
-    point: str
-    after: int = 0
-    times: int = 1
-    result: Any = None
-    error: BaseException | None = None
-    action: "Callable[..., None] | None" = None
-    when: "Callable[..., bool] | None" = None
-
-    def __post_init__(self) -> None:
-        if self.point not in FAULT_POINTS:
-            raise ValueError(f"unknown fault point {self.point!r}; known points: {', '.join(FAULT_POINTS)}")
-        if self.after < 0 or self.times < 1:
-            raise ValueError(f"a fault needs after >= 0 and times >= 1, got after={self.after}, times={self.times}")
-
-
-class Injection:
-    """What one ``inject`` block armed: how often each fault fired, and the native owners made meanwhile."""
-
-    def __init__(self, faults: Sequence[Fault]) -> None:
-        self.faults = tuple(faults)
-        self._seen = [0] * len(self.faults)
-        self._fired = [0] * len(self.faults)
-        self._lock = threading.Lock()
-        self._owners: "weakref.WeakSet[_Owner]" = weakref.WeakSet()
-
-    def fired(self, point: str | None = None) -> int:
-        """Times the faults (at ``point``, or all) fired."""
-        with self._lock:
-            return sum(n for f, n in zip(self.faults, self._fired) if point is None or f.point == point)
-
-    def live(self) -> dict[str, int]:
-        """Native owners created while armed that are still alive, by kind (``context``, ``batch``...)."""
-        with self._lock:
-            owners = list(self._owners)
-        counts: dict[str, int] = {}
-        for owner in owners:
-            if owner.alive:
-                kind = owner._what.split()[0]
-                counts[kind] = counts.get(kind, 0) + 1
-        return counts
-
-    def _hit(self, point: str, subject: Any, args: tuple[Any, ...]) -> "Fault | None":
-        hit = None
-        with self._lock:
-            for i, fault in enumerate(self.faults):
-                if fault.point != point or (fault.when is not None and not fault.when(subject, *args)):
-                    continue
-                self._seen[i] += 1
-                if hit is None and self._seen[i] > fault.after and self._fired[i] < fault.times:
-                    self._fired[i] += 1
-                    hit = fault
-        return hit
-
-
-_faults: Injection | None = None  # the armed test seam, or None (the default)
-_NO_FAULT = object()
-
-
-@contextlib.contextmanager
-def inject(*faults: Fault) -> Iterator[Injection]:
-    """Test seam: arm ``faults`` at the engine calls named by their points for the ``with`` block.
-
-    Not for production code: it makes every engine call of the process
-    consult the armed faults. Blocks do not nest.
-    """
+def _mirror_faults(injection: Injection | None) -> None:
     global _faults
-    if _faults is not None:
-        raise RuntimeError("fault injection is already armed (inject() blocks do not nest)")
-    injection = Injection(faults)
     _faults = injection
-    try:
-        yield injection
-    finally:
-        _faults = None
+
+
+faults.mirror(_mirror_faults)
 
 
 def _fault(point: str, subject: Any, *args: Any) -> Any:
     """The armed fault's result for this call, or ``_NO_FAULT`` to make the engine call as usual."""
     injection = _faults
-    if injection is None:
-        return _NO_FAULT
-    fault = injection._hit(point, subject, args)
-    if fault is None:
-        return _NO_FAULT
-    if fault.action is not None:
-        fault.action(subject, *args)
-    if fault.result is not None:
-        return fault.result
-    if fault.error is not None:
-        # A copy: the armed instance would otherwise keep the frames (and handles) of its first raise.
-        raise copy.copy(fault.error)
-    if fault.action is None:
-        raise EngineError(f"injected fault at {point}")
-    return _NO_FAULT
+    return _NO_FAULT if injection is None else injection.fire(point, subject, *args)
 
 
 class _Owner:
@@ -351,9 +226,9 @@ class _Owner:
         self._what = what
         self._finalizer = weakref.finalize(self, _free_once, free_fn, ptr, what)
         self._finalizer.atexit = True
-        if _faults is not None:
-            with _faults._lock:
-                _faults._owners.add(self)
+        injection = _faults
+        if injection is not None:
+            injection.track(self)
 
     @property
     def ptr(self) -> Any:
@@ -499,6 +374,12 @@ class NativeModel(_Owner):
                 raise EngineError(f"tokenization failed for {len(data)} bytes")
         return list(buf[:n])
 
+    def parsed_special(self, token: int) -> bool:
+        """Whether text becomes ``token`` only when tokenized with ``parse_special``: llama.cpp's
+        tokenizer matches control and unknown tokens (a template's turn markers) only then."""
+        lib = self._lib
+        return bool(lib.llama_vocab_get_attr(self.vocab, token) & (lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN))
+
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token's piece (may be an incomplete UTF-8 sequence)."""
         if _faults is not None:
@@ -520,60 +401,6 @@ class NativeModel(_Owner):
         buf = ctypes.create_string_buffer(4096)
         n = self._lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, 4096)
         return None if n < 0 else buf.value.decode("utf-8", "replace")
-
-
-@dataclass(frozen=True)
-class KVBuffer:
-    """One KV cache of a context as llama.cpp reported allocating it (``llama_kv_cache`` log lines).
-
-    A sliding-window model's context has two: ``kind`` ``"full"`` and
-    ``"sliding-window"``; others one ``"full"``. Cells, layers and streams are
-    exact; the byte figures are logged in MiB with two decimals, so each is
-    within :data:`KV_LOG_RESOLUTION` bytes of the allocation.
-    """
-
-    kind: str
-    cells: int  # per stream
-    layers: int
-    streams: int  # 1 unified, else n_seq_max
-    type_k: str
-    type_v: str
-    buffer_bytes: int  # the backend buffers (ggml_backend_buffer_get_size), summed over devices
-    k_bytes: int
-    v_bytes: int
-
-
-KV_LOG_RESOLUTION = -(-(2**20) // 200)  # half of the 0.01 MiB llama.cpp prints, rounded up
-_MIB = 2**20
-_KV_CREATING = re.compile(r"creating\s+(non-SWA|SWA)\s+KV cache")
-_KV_BUFFER = re.compile(r"llama_kv_cache:\s+\S+ KV buffer size =\s*([\d.]+) MiB")
-_KV_SIZE = re.compile(
-    r"llama_kv_cache: size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*\d+/(\d+) seqs\), "
-    r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
-)
-
-
-def kv_buffers(lines: Sequence[str]) -> tuple[KVBuffer, ...]:
-    """The KV caches reported in the native log lines of one context's creation, in order.
-
-    llama.cpp has no C function for a context's KV buffer size; it logs each
-    cache's buffers ("CPU KV buffer size = X MiB"), then a summary line with
-    cells, layers and streams; an interleaved-SWA model first says which
-    cache (non-SWA or SWA) it is creating.
-    """
-    out: list[KVBuffer] = []
-    kind, buffer = "full", 0.0
-    for line in lines:
-        if m := _KV_CREATING.search(line):
-            kind, buffer = ("full" if m.group(1) == "non-SWA" else "sliding-window"), 0.0
-        elif m := _KV_BUFFER.search(line):
-            buffer += float(m.group(1))
-        elif m := _KV_SIZE.search(line):
-            cells, layers, streams, tk, k_mib, tv, v_mib = m.groups()
-            out.append(KVBuffer(kind, int(cells), int(layers), int(streams), tk, tv, round(buffer * _MIB),
-                                round(float(k_mib) * _MIB), round(float(v_mib) * _MIB)))
-            kind, buffer = "full", 0.0
-    return tuple(out)
 
 
 class NativeContext(_Owner):
@@ -599,11 +426,8 @@ class NativeContext(_Owner):
         cp.embeddings = False
         if _faults is not None:
             _fault("context_init", model)
-        _capture.lines = []
-        try:
+        with engine_log.capturing() as creation_log:
             ptr = lib.llama_init_from_model(model.ptr, cp)
-        finally:
-            creation_log, _capture.lines = _capture.lines, None
         if not ptr:
             raise EngineError(
                 f"llama.cpp could not create a context (n_ctx={params.n_ctx}, kv={params.kv_cache_type}, "
@@ -887,8 +711,40 @@ class Sampler(_Owner):
         return int(self._lib.llama_sampler_sample(self.ptr, ctx.ptr, i))
 
 
+# llama.cpp parses a grammar by recursion (about 460 bytes of stack per ( ) level and 130 per rule in a
+# chain of leftmost references, measured); aner_nb.llm.constraints bounds both, and the parse runs on a
+# thread of this stack size so the bound holds whatever thread (and stack size) the caller has.
+GRAMMAR_STACK_BYTES = 16 * 2**20
+_stack_size_lock = threading.Lock()
+
+
+def _on_big_stack(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a fresh thread with GRAMMAR_STACK_BYTES of stack; its result or exception."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            out.append((False, exc))
+
+    with _stack_size_lock:  # threading.stack_size is process-wide: set it only for this thread's start
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="aner-grammar-parse", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def _grammar_sampler(lib: Any, model: "NativeModel", grammar: str) -> Any:
-    stage = lib.llama_sampler_init_grammar(model.vocab, grammar.encode("utf-8"), b"root")
+    text = grammar.encode("utf-8")
+    stage = _on_big_stack(lambda: lib.llama_sampler_init_grammar(model.vocab, text, b"root"))
     if not stage:  # llama.cpp logs the parse error and returns NULL
         raise GrammarError("llama.cpp could not parse the grammar (GBNF with a 'root' rule is required)")
     return stage
@@ -911,5 +767,6 @@ def json_schema_grammar(schema_json: str) -> str:
 
     try:
         return json_schema_to_gbnf(schema_json)
-    except (ValueError, AssertionError, KeyError, TypeError, RecursionError) as exc:
+    # AttributeError/IndexError: a sub-schema that is not an object ("items": 5), found by fuzz/fuzz_grammar.py
+    except (ValueError, AssertionError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
         raise GrammarError(f"the JSON schema cannot be turned into a grammar: {exc}") from exc

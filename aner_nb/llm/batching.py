@@ -3,8 +3,9 @@
 ``model.with_batching(max_sequences)`` returns a new lease on the same
 weights that owns one llama context (``n_seq_max = max_sequences``, one KV
 stream per sequence: each gets ``context // max_sequences`` cells) and one
-scheduler thread (see :mod:`aner_nb.llm.scheduler` for the step policy and
-why the context is split this way). ``generate``, ``chat`` and ``stream``
+scheduler thread (see :mod:`aner_nb.llm.scheduler` for the loop and
+:mod:`aner_nb.llm.step_policy` for the step policy and why the context is
+split this way). ``generate``, ``chat`` and ``stream``
 may be called from many threads at once; each call becomes one sequence of
 the shared batch. Up to ``queue_limit`` (8) requests wait for a free
 sequence; beyond that a call fails at once with ``BusyError``.
@@ -41,47 +42,26 @@ a finalizer does the same (without waiting) when the lease is collected.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Sequence
 
-from ._engine import Batch, NativeContext, pairs_batch_columns
-from .errors import ConfigurationError, InvalidRequestError, UnsupportedFeatureError
-from .adapters import AdapterInfo, SharedAdapter
+from ._engine import Batch, ContextParams, NativeContext, pairs_batch_columns
+from .errors import ConfigurationError, InvalidRequestError
+from .adapters import SharedAdapter
 from .lifetime import Lifetime
-from .profiles import MAX_CONTEXT, Profile, int_in as _int_in
-from .protocol import Done, Lease, LeaseKind, Pieces
-from .requests import Prepared, RawText, as_messages, context_params, new_job, prepare, template_opening
+from .options import RequestSettings
+from .profiles import MAX_SEQUENCES, QUEUE_LIMIT, STREAM_BUFFER, BatchingSettings, Profile
+from .protocol import Done, Lease, LeaseKind, Pieces, RequestRules
+from .requests import Prepared, RawText, as_messages, context_params, new_job, request_settings, template_opening
 from .response import Response
 from .runner import Job, validated_response
-from .scheduler import Outbox, Request, Scheduler, SchedulerStats
+from .outbox import Outbox, Request
+from .scheduler import Scheduler
+from .scheduler_stats import SchedulerStats
 from .summary import ESTIMATE, PER_LEASE, PER_REQUEST, Holding, MemorySummary, memory_summary
 from .shared_prefix import SharedPrefixes
 from .weights import SharedWeights
 
-__all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT"]
-
-MAX_SEQUENCES = 64
-QUEUE_LIMIT = 8
-STREAM_BUFFER = 16
-
-
-@dataclass(frozen=True)
-class BatchingSettings:
-    """A throughput profile: concurrent sequences, waiting-queue bound, stream buffer (pieces), shared prefixes."""
-
-    max_sequences: int
-    queue_limit: int = QUEUE_LIMIT
-    stream_buffer: int = STREAM_BUFFER
-    prefix_cache_entries: int = 0
-    prefix_cache_tokens: int = 2048
-
-    def __post_init__(self) -> None:
-        _int_in("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
-        _int_in("queue_limit", self.queue_limit, 1, 1024)
-        _int_in("stream_buffer", self.stream_buffer, 1, 65536)
-        _int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)  # the latency profile's bounds
-        _int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
+__all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT", "STREAM_BUFFER"]
 
 
 def with_batching(
@@ -102,86 +82,22 @@ class BatchingModel(Lease):
     piece (keep it quick; it must not submit to or read from this lease).
     """
 
-    def __init__(
-        self, weights: SharedWeights, profile: Profile, max_sequences: int, *, adapter: SharedAdapter | None = None,
-        prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048,
-    ) -> None:
-        settings = BatchingSettings(
-            max_sequences=max_sequences, prefix_cache_entries=prefix_cache_entries,
-            prefix_cache_tokens=prefix_cache_tokens,
-        )
-        opt = profile.optimizer
-        if opt.is_latency_profile:
-            raise ConfigurationError(
-                f"with_batching() cannot be combined with a latency profile (prefix_cache_entries="
-                f"{opt.prefix_cache_entries}, speculative_tokens={opt.speculative_tokens}); derive the "
-                "batching lease from a lease without prefix cache or speculation"
-            )
-        if opt.batch_tokens < settings.max_sequences:
-            raise ConfigurationError(
-                f"batch_tokens ({opt.batch_tokens}) must be >= max_sequences ({settings.max_sequences}): "
-                "every step holds one decode row per running sequence"
-            )
-        context = weights.settings.context
-        if context < settings.max_sequences:
-            raise ConfigurationError(
-                f"max_sequences ({settings.max_sequences}) must be <= the context ({context}): each sequence "
-                "gets an equal share of the context's cells"
-            )
-        # One KV stream per sequence: cells stay in position order, so output equals a solo run.
-        # Shared prefixes take spare streams of the same size above the request ids, and keep a full
-        # sliding-window cache: an entry is trimmed to a common prefix that may end below the window.
-        # An adapter profile's shared context applies the adapter, as each of its ordinary contexts does.
-        sequence_context = context // settings.max_sequences
-        entries = settings.prefix_cache_entries
-        streams = settings.max_sequences + entries
-        params = context_params(
-            weights, profile, n_seq_max=streams, kv_unified=False, adapter=adapter,
-            n_ctx=sequence_context * streams if entries else None, swa_full=entries > 0,
-        )
-        prefixes = None
-        if entries:
-            prefixes = SharedPrefixes(
-                range(settings.max_sequences, streams), max_tokens=settings.prefix_cache_tokens,
-                trivial_prefix=template_opening(weights),
-            )
+    _builder_note = (
+        "the throughput profile cannot be combined with sessions, latency profiles or context pools, and an "
+        "adapter is applied before batching: with_adapter() then with_batching(); call it on the source lease"
+    )
+
+    def __init__(self, weights: SharedWeights, profile: Profile, *, adapter: SharedAdapter | None = None) -> None:
+        """A lease for ``profile``, a throughput profile (its ``batching`` settings; its optimizer's
+        ``prefix_cache_entries`` and ``prefix_cache_tokens`` are the shared prefixes)."""
+        if profile.batching is None:
+            raise ConfigurationError("a batching lease needs a throughput profile (Profile.batching)", param="batching")
+        _check_context(profile.batching, weights.settings.context)
+        params, sequence_context = _shared_context_params(weights, profile, adapter)
         life = Lifetime("batching lease", exclusive=False)
-        with life.building(weights, adapter) as stack:
-            ctx = NativeContext(weights.native, params)
-            stack.callback(ctx.free)
-            batch = Batch(params.n_batch, 1)
-            stack.callback(batch.free)
-            # From here the scheduler thread owns these: when it exits it releases them in reverse
-            # order (batch, context, then the adapter it applied, then the weights' hold).
-            owned = stack.pop_all()
-            try:
-                scheduler = Scheduler(
-                    model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
-                    batch_tokens=params.n_batch, sequence_context=sequence_context,
-                    queue_limit=settings.queue_limit, on_exit=owned.close,
-                    pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
-                    name=f"aner-scheduler-{weights.facts.name}", prefixes=prefixes,
-                )
-            except BaseException:
-                owned.close()
-                raise
-            stack.callback(scheduler.shutdown, wait=False)  # the lease only asks it to stop
-        self._weights = weights
-        self._adapter = adapter
-        # The profile records the shared-prefix settings under the latency profile's names, so the
-        # profile timings and the handle table report them (prefix_cache_capacity).
-        self._profile = profile.with_(
-            max_sequences=settings.max_sequences,
-            optimizer=dataclasses.replace(
-                profile.optimizer, prefix_cache_entries=entries, prefix_cache_tokens=settings.prefix_cache_tokens
-            ),
-        )
-        self._settings = settings
-        self._params = params
-        self._scheduler = scheduler
-        self._lifetime = life
         # The scheduler must not reference the lease, or the lease could never be collected.
-        self._finalizer = life.watch(self)
+        self._scheduler = _start_scheduler(weights, adapter, profile, params, sequence_context, life)
+        self._establish(weights, profile, params, life, adapter)
 
     # -- metadata (the shared metadata comes from the Lease protocol) --------------------
     @property
@@ -191,7 +107,13 @@ class BatchingModel(Lease):
 
     @property
     def batching(self) -> BatchingSettings:
+        """The profile's batching settings (sequences, queue bound, stream buffer)."""
         return self._settings
+
+    @property
+    def _settings(self) -> BatchingSettings:
+        assert self._profile.batching is not None  # checked at construction
+        return self._profile.batching
 
     @property
     def max_sequences(self) -> int:
@@ -219,51 +141,24 @@ class BatchingModel(Lease):
         return "throughput"
 
     def _features(self) -> frozenset[str]:
-        optional = {"adapter": self._adapter is not None, "prefix_cache": self._settings.prefix_cache_entries > 0}
+        optional = {
+            "adapter": self._adapter is not None, "prefix_cache": self._profile.optimizer.prefix_cache_entries > 0,
+        }
         return frozenset(
             {"generate", "chat", "stream", "complete", "continuous_batching", *(f for f, on in optional.items() if on)}
         )
-
-    @property
-    def adapter(self) -> AdapterInfo | None:
-        """The LoRA adapter the shared context applies, or None."""
-        return self._adapter.info if self._adapter is not None else None
-
-    # Builders and sessions need a context of their own; a batching lease has one shared context.
-    def _no_builder(self, what: str) -> UnsupportedFeatureError:
-        return UnsupportedFeatureError(
-            f"{what} is not available on a batching lease (the throughput profile cannot be combined with "
-            "sessions, latency profiles or context pools, and an adapter is applied before batching: "
-            "with_adapter() then with_batching()); call it on the source lease"
-        )
-
-    def session(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_builder("session()")
-
-    def with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_builder("with_optimizer()")
-
-    def with_context_pool(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_builder("with_context_pool()")
-
-    def with_adapter(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_builder("with_adapter()")
-
-    def with_batching(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._no_builder("with_batching()")
 
     # -- requests: the protocol's two steps ----------------------------------------
     # ``generate``/``chat`` block until this request's sequence finishes; ``on_text`` runs on the
     # scheduler thread with each newly final piece. ``stream`` pieces wait in a small per-request
     # buffer; while it is full the sequence pauses (others continue), and ``cancel()`` or Ctrl-C
     # ends only this sequence.
-    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
-        self._lifetime.check_open("a request")
+    def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
         note = (
             f" (this batching lease splits its context of {self.context} cells between {self.max_sequences} "
             f"sequences, {self.sequence_context} each; use fewer sequences or load with a larger context)"
         )
-        return prepare(self._weights, messages, options, context=self.sequence_context, context_note=note)
+        return RequestRules(messages, context=self.sequence_context, context_note=note)
 
     def _submit(
         self, prepared: Prepared, job: Job, on_text: Callable[[str], None] | None, streaming: bool
@@ -279,7 +174,8 @@ class BatchingModel(Lease):
         return s.submit(Request(job, outbox=outbox, on_text=on_text), block=block)
 
     def generate_many(
-        self, prompts: Sequence["str | Sequence[Mapping[str, Any]]"], **options: Any
+        self, prompts: Sequence["str | Sequence[Mapping[str, Any]]"], *, settings: RequestSettings | None = None,
+        **options: Any,
     ) -> list[Response]:
         """Submit every prompt concurrently and return the responses in order (options as ``generate``).
 
@@ -291,7 +187,9 @@ class BatchingModel(Lease):
             raise InvalidRequestError(
                 f"prompts must be a list of prompts, got {type(prompts).__name__}", param="prompts"
             )
-        jobs = [self._job(self._prepare(as_messages(p), options)) for p in prompts]
+        messages = [as_messages(p) for p in prompts]
+        request = request_settings(options, settings)
+        jobs = [self._job(self._prepare(m, request)) for m in messages]
         requests: list[Request | Response] = []
         try:
             for job in jobs:
@@ -321,7 +219,7 @@ class BatchingModel(Lease):
         """Weights, the KV of the one shared context (request streams and shared-prefix streams), what the
         shared prefixes hold now, and the process's measured memory."""
         kv_bytes = self._context_kv_bytes()
-        n, entries = self.max_sequences, self._settings.prefix_cache_entries
+        n, entries = self.max_sequences, self._profile.optimizer.prefix_cache_entries
         per_stream = kv_bytes // (n + entries)  # every stream of the context has the same cells
         layout = f"one shared context: {n} sequences x {self.sequence_context} cells"
         layout += f" + {entries} shared-prefix streams of the same size" if entries else ""
@@ -357,3 +255,82 @@ def _awaited(req: Request) -> Generator[str, None, Response]:
     return req.result()
     yield  # pragma: no cover - makes this a generator
 
+
+def check_source_profile(profile: Profile, settings: BatchingSettings) -> None:
+    """Refuse a source profile the throughput profile cannot be derived from."""
+    opt = profile.optimizer
+    if opt.is_latency_profile:
+        raise ConfigurationError(
+            f"with_batching() cannot be combined with a latency profile (prefix_cache_entries="
+            f"{opt.prefix_cache_entries}, speculative_tokens={opt.speculative_tokens}); derive the "
+            "batching lease from a lease without prefix cache or speculation"
+        )
+    if opt.batch_tokens < settings.max_sequences:
+        raise ConfigurationError(
+            f"batch_tokens ({opt.batch_tokens}) must be >= max_sequences ({settings.max_sequences}): "
+            "every step holds one decode row per running sequence"
+        )
+
+
+def _check_context(settings: BatchingSettings, context: int) -> None:
+    """Refuse a context the throughput profile cannot split."""
+    if context < settings.max_sequences:
+        raise ConfigurationError(
+            f"max_sequences ({settings.max_sequences}) must be <= the context ({context}): each sequence "
+            "gets an equal share of the context's cells"
+        )
+
+
+def _shared_context_params(
+    weights: SharedWeights, profile: Profile, adapter: SharedAdapter | None
+) -> tuple[ContextParams, int]:
+    """The shared context's parameters and the cells of each sequence id."""
+    # One KV stream per sequence: cells stay in position order, so output equals a solo run.
+    # Shared prefixes take spare streams of the same size above the request ids, and keep a full
+    # sliding-window cache: an entry is trimmed to a common prefix that may end below the window.
+    # An adapter profile's shared context applies the adapter, as each of its ordinary contexts does.
+    assert profile.batching is not None
+    sequence_context = weights.settings.context // profile.batching.max_sequences
+    entries = profile.optimizer.prefix_cache_entries
+    streams = profile.batching.max_sequences + entries
+    params = context_params(
+        weights, profile, n_seq_max=streams, kv_unified=False, adapter=adapter,
+        n_ctx=sequence_context * streams if entries else None, swa_full=entries > 0,
+    )
+    return params, sequence_context
+
+
+def _start_scheduler(
+    weights: SharedWeights, adapter: SharedAdapter | None, profile: Profile, params: ContextParams,
+    sequence_context: int, life: Lifetime,
+) -> Scheduler:
+    """Build the shared context and batch and hand them to a new scheduler thread."""
+    settings, opt = profile.batching, profile.optimizer
+    assert settings is not None
+    prefixes = None
+    if opt.prefix_cache_entries:
+        prefixes = SharedPrefixes(
+            range(settings.max_sequences, settings.max_sequences + opt.prefix_cache_entries),
+            max_tokens=opt.prefix_cache_tokens, trivial_prefix=template_opening(weights),
+        )
+    with life.building(weights, adapter) as stack:
+        ctx = NativeContext(weights.native, params)
+        stack.callback(ctx.free)
+        batch = Batch(params.n_batch, 1)
+        stack.callback(batch.free)
+        # From here the scheduler thread owns these: when it exits it releases them in reverse
+        # order (batch, context, then the adapter it applied, then the weights' hold).
+        owned = stack.pop_all()
+        try:
+            scheduler = Scheduler(
+                model=weights.native, ctx=ctx, batch=batch, max_sequences=settings.max_sequences,
+                batch_tokens=params.n_batch, sequence_context=sequence_context,
+                queue_limit=settings.queue_limit, on_exit=owned.close,
+                pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
+                name=f"aner-scheduler-{weights.facts.name}", prefixes=prefixes,
+            )
+        except BaseException:
+            owned.close()
+            raise
+        stack.callback(scheduler.shutdown, wait=False)  # the lease only asks it to stop
+    return scheduler

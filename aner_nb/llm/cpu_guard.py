@@ -43,6 +43,7 @@ __all__ = [
     "ExtraBuffers",
     "decide",
     "cpu_signature",
+    "cpu_flags",
     "build_signature",
     "verdict_path",
     "probe_command",
@@ -140,6 +141,11 @@ def cpu_signature() -> tuple[str, str]:
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     name = info.get("model name") or platform.processor() or platform.machine()
     return digest, f"{name} ({os.cpu_count()} logical CPUs)"
+
+
+def cpu_flags() -> tuple[str, ...]:
+    """The CPU's feature flags as the kernel lists them (``/proc/cpuinfo``), sorted; () where unreadable."""
+    return tuple(sorted(set(_read_cpuinfo().get("flags", "").split())))
 
 
 def _engine_library_dir() -> Path | None:

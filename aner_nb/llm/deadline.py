@@ -48,8 +48,11 @@ def within(seconds: float, call: Callable[[], T]) -> T:
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     try:
-        timer.start()
         try:
+            # Started inside the try: a KeyboardInterrupt that lands while the timer thread starts
+            # must still mark the call done and cancel the timer, or it would fire later into
+            # whatever this thread runs then (seen: a Ctrl-C between two rows of a map).
+            timer.start()
             return call()
         finally:
             with lock:

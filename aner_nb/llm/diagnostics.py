@@ -10,9 +10,20 @@ tokens in the batch shape side ``b`` used (:class:`BatchShape`: one prefill,
 a verification batch, or a multi-sequence step) and measures how far the
 logits move. Two logits can shift apart by at most twice the largest
 movement, so a flip from ``token_a`` to ``token_b`` is explained by the
-batch shape only if ``logit(token_a) - logit(token_b) <= 2 * perturbation``:
-that is ``near_tie``. A token that plain decoding ranks far below is not a
-near tie, however close the top two happen to be.
+batch shape only if ``logit(token_a) - logit(token_b) <= 2 * perturbation``.
+A token that plain decoding ranks far below is not a near tie, however close
+the top two happen to be.
+
+At most one divergence per output is excused. After the first position the
+two outputs follow different histories, so ``b`` is not compared with ``a``
+there: the rest of ``b`` is replayed with plain greedy decoding of ``b``'s
+own tokens (the prompt in one prefill, then one token per decode call), and
+every further token of ``b`` must be the plain greedy choice after its own
+history. The first position where it is not is ``later_position``, and the
+output is not excused however close that second flip is. ``near_tie`` is
+True only when the first divergence passes the rule above and there is no
+``later_position``. (Where ``b`` stops is not judged after the first
+divergence: its length may be set by ``max_tokens``.)
 """
 
 from __future__ import annotations
@@ -36,7 +47,11 @@ class BatchShape:
     """How side ``b`` evaluated the token whose logits chose the differing token.
 
     - ``prefill``: prompt and output so far in prefill chunks (a prefix-cached
-      or otherwise re-evaluated prompt).
+      or otherwise re-evaluated prompt). ``cached`` is how many prompt tokens
+      ``b`` took from a prefix cache (its response's ``cached_input_tokens``):
+      they were evaluated by an earlier request and ``b`` prefilled only the
+      tail, in chunks that start at ``cached``, then decoded as plain decoding
+      does; that path is measured too.
     - ``verification``: a prompt-lookup step of ``size`` rows (the pending
       token plus ``size - 1`` proposals); the deciding row may be any of them,
       so every offset is measured and the largest movement kept.
@@ -46,20 +61,23 @@ class BatchShape:
 
     kind: str
     size: int = 1
+    cached: int = 0  # prefill only: prompt tokens b took from a prefix cache
 
     def __post_init__(self) -> None:
         if self.kind not in ("prefill", "verification", "sequences"):
             raise ValueError(f"BatchShape kind must be prefill, verification or sequences, got {self.kind!r}")
         if not 1 <= self.size <= 64:
             raise ValueError(f"BatchShape size must be 1..64, got {self.size}")
+        if self.cached < 0 or (self.cached and self.kind != "prefill"):
+            raise ValueError(f"BatchShape cached applies to a prefill shape and is >= 0, got {self.cached}")
 
     def check_fits(self, batch_tokens: int) -> None:
         if self.size > batch_tokens:
             raise ValueError(f"BatchShape size {self.size} exceeds the lease's batch_tokens={batch_tokens}")
 
     @classmethod
-    def prefill(cls) -> "BatchShape":
-        return cls("prefill")
+    def prefill(cls, cached: int = 0) -> "BatchShape":
+        return cls("prefill", cached=cached)
 
     @classmethod
     def verification(cls, speculative_tokens: int) -> "BatchShape":
@@ -90,7 +108,10 @@ class Divergence:
     top2: int | None = None
     perturbation: float | None = None  # max |logit change| in the shape ``b`` used
     shape: str | None = None
-    near_tie: bool | None = None
+    # First position after ``position`` where ``b`` is not plain greedy decoding of its own history
+    # (a second divergence: never excused); None when there is none or ``b`` ends at ``position``.
+    later_position: int | None = None
+    near_tie: bool | None = None  # the first divergence is a near tie and there is no second one
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +140,10 @@ def first_divergence(
     plain, perturbation = _measure(model, prompt_tokens, a[:position], shape)
     order = np.argsort(plain)[::-1]
     logit_a, logit_b = float(plain[token_a]), float(plain[token_b])
+    first_excused = is_near_tie(logit_a, logit_b, perturbation)
+    later = None
+    if first_excused and position < len(b) - 1:  # b goes on after its first divergence: judge the rest
+        later = _leaves_plain_greedy(model, prompt_tokens, b, position + 1)
     return Divergence(
         position=position,
         token_a=token_a,
@@ -130,9 +155,31 @@ def first_divergence(
         top1=int(order[0]),
         top2=int(order[1]),
         perturbation=perturbation,
-        shape=f"{shape.kind}({shape.size})",
-        near_tie=is_near_tie(logit_a, logit_b, perturbation),
+        shape=f"prefill(cached={shape.cached})" if shape.cached else f"{shape.kind}({shape.size})",
+        later_position=later,
+        near_tie=first_excused and later is None,
     )
+
+
+def _leaves_plain_greedy(model: LLMModel, prompt: Sequence[int], b: Sequence[int], start: int) -> int | None:
+    """The first position ``>= start`` where ``b[i]`` is not the plain greedy choice after
+    ``prompt + b[:i]`` (an ordinary lease's shape: one prefill, then one token per decode), or None."""
+    weights = model._weights
+    params = context_params(weights, model.profile)
+
+    def judge(ctx: NativeContext, batch: Batch) -> int | None:
+        _plain_replay(ctx, batch, prompt, b[:start])  # logits after b[start - 1] in the last row
+        pos, row = len(prompt) + start, batch.n_tokens - 1
+        for i in range(start, len(b)):
+            if ctx.greedy(row) != b[i]:
+                return i
+            batch.clear()
+            row = batch.add(b[i], pos, 0, logits=True)
+            _decode(ctx, batch)
+            pos += 1
+        return None
+
+    return _in_context(weights, params, judge)
 
 
 def _measure(
@@ -150,7 +197,14 @@ def _measure(
             prefill(ctx, batch, tokens, 0, 0)
             return _movement(plain, ctx.logits(batch.n_tokens - 1))
 
-        return plain, _in_context(weights, replace(ordinary, swa_full=True), measure)
+        def measure_split(ctx: NativeContext, batch: Batch) -> float:
+            return _movement(plain, _plain_replay(ctx, batch, prompt, continuation, shape.cached))
+
+        latency = replace(ordinary, swa_full=True)
+        moved = _in_context(weights, latency, measure)
+        if 0 < shape.cached < len(prompt):
+            moved = max(moved, _in_context(weights, latency, measure_split))
+        return plain, moved
     if shape.kind == "verification":
         # The deciding row ``row`` of a step that started ``row`` tokens earlier; the rows after it
         # hold proposals (their values do not matter for the shape: the last token stands in).
@@ -240,9 +294,16 @@ def _in_context(weights: Any, params: Any, work: Any) -> Any:
         batch.free()
 
 
-def _plain_replay(ctx: NativeContext, batch: Batch, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-    """The prompt in prefill chunks, then one token per decode call: an ordinary lease's shape."""
-    prefill(ctx, batch, list(prompt), 0, 0)
+def _plain_replay(
+    ctx: NativeContext, batch: Batch, prompt: Sequence[int], continuation: Sequence[int], cached: int = 0
+) -> np.ndarray:
+    """The prompt in prefill chunks, then one token per decode call: an ordinary lease's shape.
+
+    With ``cached``, a prefix-cached request's path: ``prompt[:cached]`` prefilled (by the earlier
+    request), then the tail in chunks from position ``cached``."""
+    if cached:
+        prefill(ctx, batch, list(prompt[:cached]), 0, 0)
+    prefill(ctx, batch, list(prompt), cached, 0)
     row = batch.n_tokens - 1
     pos = len(prompt)
     for token in continuation:

@@ -11,6 +11,7 @@ __all__ = [
     "LLMError",
     "InvalidArtifactError",
     "UnsupportedModelError",
+    "ModelNotFoundError",
     "AdapterError",
     "ArtifactChangedError",
     "ChatTemplateError",
@@ -46,6 +47,14 @@ class InvalidArtifactError(LLMError, ValueError):
 
 class UnsupportedModelError(InvalidArtifactError):
     """A valid GGUF that this toolkit does not admit (split, projector, adapter, architecture)."""
+
+
+class ModelNotFoundError(InvalidArtifactError, LookupError):
+    """A model name matches no GGUF file of the known stores (or more than one: ``candidates``)."""
+
+    def __init__(self, message: str, *, candidates: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.candidates = candidates
 
 
 class AdapterError(InvalidArtifactError):

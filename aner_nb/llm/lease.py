@@ -18,18 +18,19 @@ context from the pool, run it, give the context back.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from .adapters import AdapterInfo, SharedAdapter, load_adapter
-from .batching import BatchingModel
+from .adapters import SharedAdapter, load_adapter
+from .batching import BatchingModel, check_source_profile
 from .context_pool import ContextPool, ContextSlot
 from .errors import ConfigurationError
 from .lifetime import Lifetime
 from .prefix_pool import PrefixPool
-from .profiles import OptimizerSettings, Profile
-from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
-from .requests import Prepared, RawText, context_params, prepare, template_opening
+from .options import RequestSettings
+from .profiles import BatchingSettings, OptimizerSettings, Profile
+from .protocol import BUILDERS, Done, Lease, LeaseKind, Pieces, RequestRules, with_text_callback
+from .requests import Prepared, RawText, context_params, template_opening
 from .runner import Job, run_request
 from .session import Session
 from .summary import MemorySummary, lease_holdings, memory_summary
@@ -47,6 +48,8 @@ class _Owned:
 
 class LLMModel(Lease):
     """An opaque lease on loaded weights. Create it with :func:`aner_nb.llm.load`."""
+
+    builders = frozenset(BUILDERS)
 
     def __init__(
         self, weights: SharedWeights, profile: Profile | None = None, *, adapter: SharedAdapter | None = None
@@ -69,18 +72,8 @@ class LLMModel(Lease):
             else:
                 pool = ContextPool(weights.native, params, profile.max_idle_contexts)
             stack.callback(pool.close)  # the lease's idle contexts go first
-        self._weights = weights
-        self._profile = profile
-        self._params = params
-        self._adapter = adapter
-        self._state = _Owned(pool)  # the finalizer holds the lifetime, never the lease
-        self._lifetime = life
-        self._finalizer = life.watch(self)
-
-    @property
-    def adapter(self) -> AdapterInfo | None:
-        """The LoRA adapter this lease applies (name, hashes, rank, targets), or None."""
-        return self._adapter.info if self._adapter is not None else None
+        self._state = _Owned(pool)
+        self._establish(weights, profile, params, life, adapter)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -104,10 +97,9 @@ class LLMModel(Lease):
         return frozenset({"generate", "chat", "stream", "complete", "session", *(f for f, on in optional.items() if on)})
 
     # -- requests: the protocol's two steps ---------------------------------------
-    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
-        self._lifetime.check_open("a request")
-        greedy_only = self._profile.optimizer.draft_tokens > 0
-        return prepare(self._weights, messages, options, context=self.context, greedy_only=greedy_only)
+    def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
+        """The whole context; a speculative lease verifies proposals against the greedy choice only."""
+        return RequestRules(messages, context=self.context, greedy_only=self._profile.optimizer.draft_tokens > 0)
 
     def _submit(
         self, prepared: Prepared, job: Job, on_text: Callable[[str], None] | None, streaming: bool
@@ -210,12 +202,19 @@ class LLMModel(Lease):
         that start with the same tokens (a common system prompt is evaluated
         once); each entry costs one more sequence's KV. On an adapter lease
         the shared context applies the same adapter (its own hold on it).
+
+        The new profile holds the batching settings (``profile.batching``);
+        the shared prefixes are its optimizer's ``prefix_cache_entries`` and
+        ``prefix_cache_tokens``, the latency profile's names and bounds (a
+        latency source profile is refused, so they were 0 there).
         """
         self._check_open("with_batching()")
-        return BatchingModel(
-            self._weights, self._profile, max_sequences, adapter=self._adapter,
-            prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
+        settings = BatchingSettings(max_sequences=max_sequences)
+        optimizer = replace(
+            self._profile.optimizer, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
         )
+        check_source_profile(self._profile, settings)
+        return BatchingModel(self._weights, self._profile.with_(batching=settings, optimizer=optimizer), adapter=self._adapter)
 
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV of live contexts and of this lease's pool now, what its policies may hold, and

@@ -20,8 +20,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import _engine, cpu_guard
-from .artifact import inspect_model, sha256_file
-from .chat import resolve_template
+from .catalog import resolve_model
+from .artifact import ModelFacts, inspect_model, sha256_file
+from .chat import ChatTemplate, resolve_template
 from .errors import ArtifactChangedError, ConfigurationError, DeviceUnavailableError, EngineError
 from .lease import LLMModel
 from .memory import kv_row_bytes
@@ -73,6 +74,9 @@ def load(
 ) -> LLMModel:
     """Admit, hash and load a single-file GGUF text model; returns a new lease.
 
+    ``path`` is a file, or the name of a model :func:`~aner_nb.llm.models` lists
+    (an exact name, or a unique part of one; see :mod:`aner_nb.llm.catalog`).
+
     ``cpu_extra_buffers`` (``auto``/``on``/``off``; default ``$ANER_NB_CPU_EXTRA_BUFFERS``
     or ``auto``) decides whether quantized weights may use llama.cpp's AMX/repack
     buffer types; ``auto`` trusts them only after a probe child survived them
@@ -99,6 +103,26 @@ def load(
     )
     if not isinstance(warmup, bool):
         raise ConfigurationError(f"warmup must be True or False, got {warmup!r}")
+    facts, template = _admit(path, settings)
+    # Before this process touches the engine: a build that cannot run here fails a child, not us.
+    extra = cpu_guard.resolve_extra_buffers(settings.cpu_extra_buffers)
+    device_name, n_gpu_layers = resolve_device(settings.device)
+    native, first = _hash_while_loading(facts.path, facts.file_size, n_gpu_layers, extra.use, progress)
+    try:
+        summary = _verify(facts, first, extra, progress, t_start)
+        weights = SharedWeights(native, facts, template, settings, device_name, summary)
+        if warmup:
+            warm_ns = _warm_up(native, context_params(weights, Profile()))
+            weights.summary = replace(summary, warmup_duration=warm_ns, total_duration=time.perf_counter_ns() - t_start)
+        return LLMModel(weights)
+    except BaseException:
+        native.free()
+        raise
+
+
+def _admit(path: "str | os.PathLike[str]", settings: LoadSettings) -> tuple[ModelFacts, ChatTemplate]:
+    """The model's facts and its checked template, before llama.cpp reads the file."""
+    path = resolve_model(path)  # a name from llm.models() ("SmolLM2", "qwen2.5:0.5b") becomes its file
     facts = inspect_model(path)
     if settings.context > facts.context_length:
         raise ConfigurationError(
@@ -115,38 +139,32 @@ def load(
     # An embedded template is untrusted code: render one plain turn (bounded in time and size) before
     # llama.cpp reads the file, so a hostile or broken one is refused here, not at the first request.
     template.render([{"role": "user", "content": "Hello"}])
-    # Before this process touches the engine: a build that cannot run here fails a child, not us.
-    extra = cpu_guard.resolve_extra_buffers(settings.cpu_extra_buffers)
-    device_name, n_gpu_layers = resolve_device(settings.device)
-    native, first = _hash_while_loading(facts.path, facts.file_size, n_gpu_layers, extra.use, progress)
-    try:
-        t1 = time.perf_counter_ns()
-        second = sha256_file(facts.path, progress=progress)
-        verify_ns = time.perf_counter_ns() - t1
-        if second != first.digest:
-            raise ArtifactChangedError(
-                f"{os.path.basename(facts.path)} changed while loading: sha256 {first.digest[:16]}... "
-                f"before, {second[:16]}... after; the loaded weights were discarded"
-            )
-        summary = LoadSummary(
-            fingerprint=second,
-            file_bytes=facts.file_size,
-            hash_duration=first.hash_ns,
-            load_duration=first.load_ns,
-            verify_duration=verify_ns,
-            warmup_duration=-1,
-            total_duration=time.perf_counter_ns() - t_start,
-            cpu_extra_buffers="on" if extra.use else "off",
-            cpu_extra_buffers_reason=extra.reason + (" (cached verdict)" if extra.cached else ""),
+    return facts, template
+
+
+def _verify(
+    facts: ModelFacts, first: _FirstPass, extra: cpu_guard.ExtraBuffers, progress: bool | None, t_start: int
+) -> LoadSummary:
+    """Hash the file a second time (it must not have changed while loading); the load's summary."""
+    t1 = time.perf_counter_ns()
+    second = sha256_file(facts.path, progress=progress)
+    verify_ns = time.perf_counter_ns() - t1
+    if second != first.digest:
+        raise ArtifactChangedError(
+            f"{os.path.basename(facts.path)} changed while loading: sha256 {first.digest[:16]}... "
+            f"before, {second[:16]}... after; the loaded weights were discarded"
         )
-        weights = SharedWeights(native, facts, template, settings, device_name, summary)
-        if warmup:
-            warm_ns = _warm_up(native, context_params(weights, Profile()))
-            weights.summary = replace(summary, warmup_duration=warm_ns, total_duration=time.perf_counter_ns() - t_start)
-        return LLMModel(weights)
-    except BaseException:
-        native.free()
-        raise
+    return LoadSummary(
+        fingerprint=second,
+        file_bytes=facts.file_size,
+        hash_duration=first.hash_ns,
+        load_duration=first.load_ns,
+        verify_duration=verify_ns,
+        warmup_duration=-1,
+        total_duration=time.perf_counter_ns() - t_start,
+        cpu_extra_buffers="on" if extra.use else "off",
+        cpu_extra_buffers_reason=extra.reason + (" (cached verdict)" if extra.cached else ""),
+    )
 
 
 @dataclass(frozen=True)

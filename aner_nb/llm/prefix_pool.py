@@ -204,6 +204,12 @@ class PrefixPool:
         with self._lock:
             return len(self._entries)
 
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of every prefix held (the vocabulary of :class:`~aner_nb.llm.shared_prefix.SharedPrefixes` too)."""
+        with self._lock:
+            return sum(len(e.tokens) for e in self._entries)
+
     def retained_tokens(self) -> list[tuple[int, ...]]:
         """The token prefixes held, most recently used last (for tests and dashboards)."""
         with self._lock:

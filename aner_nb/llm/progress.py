@@ -28,6 +28,9 @@ class NullBar:
     def update(self, n: float = 1) -> None:
         pass
 
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -7,24 +7,46 @@ adapter lease (:class:`~aner_nb.llm.lease.LLMModel`), a batching lease
 widgets, benchmarks) switch on :attr:`Lease.kind` and :meth:`Lease.supports`,
 never on class or module names.
 
-``generate``, ``chat`` and ``stream`` are written here once. Each kind
-supplies two steps: ``_prepare`` (its context limit and rules, through
-:func:`aner_nb.llm.requests.prepare`) and ``_submit`` (how a prepared job
-runs: on a pooled context, on the session's context, or on the batching
-scheduler), which returns the request's piece generator and its end
-callback. A request with ``max_tokens=0`` is validated and answered here
-without touching a context.
+The recipe of every kind is written here once:
+
+* construction ends with :meth:`Lease._establish` (what the protocol reads:
+  the weights, the profile, the context parameters, the adapter, the
+  lifetime; then the finalizer that releases the lifetime when the lease is
+  collected);
+* ``generate``, ``chat``, ``complete`` and ``stream`` prepare a request in one
+  step (:meth:`Lease._prepare`: the lease must be open, then
+  :func:`aner_nb.llm.requests.prepare` checks and tokenizes it under the
+  kind's :class:`RequestRules`: its context limit, greedy-only, which
+  messages). Each kind supplies ``_rules`` and ``_submit`` (how a prepared
+  job runs: on a pooled context, on the session's context, or on the
+  batching scheduler), which returns the request's piece generator and its
+  end callback. A request with ``max_tokens=0`` is validated and answered
+  here without touching a context;
+* the builders (:data:`BUILDERS`) a kind supports are its class's
+  :attr:`Lease.builders`; every other builder is refused by one path
+  (:meth:`Lease._refuse_builder`) with an :class:`UnsupportedFeatureError`
+  whose ``param`` names the builder. A class that declares a builder
+  implements it, and one that implements it declares it (checked when the
+  class is defined);
+* every kind answers :meth:`Lease.memory_summary`; :meth:`Lease.stats` is the
+  batching scheduler's :class:`~aner_nb.llm.scheduler_stats.SchedulerStats`
+  on a kind that has one (``supports("continuous_batching")``), and on the
+  others raises :class:`UnsupportedFeatureError` with
+  ``param="continuous_batching"`` (there are no counters to report).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Callable, Generator, Literal, Mapping, Sequence, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generator, Literal, Mapping, Sequence, get_args
 
-from .errors import ConfigurationError, InvalidRequestError
+from .errors import ConfigurationError, InvalidRequestError, UnsupportedFeatureError
 from .memory import kv_caches_for
-from .requests import Prepared, RawText, as_messages, as_raw_text, new_job, prompt_token_ids
+from .requests import (Prepared, RawText, as_messages, as_raw_text, new_job, prepare, prompt_token_ids,
+                       request_settings)
 from .runner import Job, unstarted_response, validate_only
+from .frame_map import map_frame
 from .stream import Stream
 from .chat import validate_messages
 
@@ -32,14 +54,18 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._engine import ContextParams
+    from .adapters import AdapterInfo, SharedAdapter
     from .artifact import ModelFacts
     from .lifetime import Lifetime
+    from .options import RequestSettings
     from .profiles import Profile
     from .requests import RequestOptions
     from .response import Response
+    from .scheduler_stats import SchedulerStats
+    from .summary import MemorySummary
     from .weights import LoadSummary, SharedWeights
 
-__all__ = ["Lease", "LeaseKind", "KINDS", "FEATURES", "Pieces", "Done"]
+__all__ = ["Lease", "LeaseKind", "KINDS", "FEATURES", "BUILDERS", "RequestRules", "Pieces", "Done"]
 
 LeaseKind = Literal["ordinary", "latency", "adapter", "throughput", "session"]
 KINDS: tuple[str, ...] = get_args(LeaseKind)
@@ -49,19 +75,71 @@ FEATURES = (
 
 Pieces = Generator[str, None, "Response"]  # verified text pieces; returns the final Response
 Done = Callable[[bool], None]  # the request's end callback; True when it ran to its end
+# The builders of the lease protocol: each returns a NEW lease (or a session) on the same weights.
+BUILDERS = ("with_optimizer", "with_context_pool", "with_adapter", "with_batching", "session")
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    """A kind's rules for one request: the messages to format, the context they must fit, and the checks.
+
+    ``context_note`` explains a lease-specific context limit in the overflow
+    message; ``greedy_only`` refuses anything but plain greedy decoding;
+    ``trusted`` message indices may hold special tokens.
+    """
+
+    messages: "tuple[dict[str, str], ...] | RawText"
+    context: int
+    greedy_only: bool = False
+    context_note: str = ""
+    trusted: frozenset[int] = frozenset()
 
 
 class Lease(ABC):
     """What every lease kind offers: its kind and features, requests, metadata, and its lifetime.
 
-    Subclasses set ``_weights``, ``_profile``, ``_params`` and ``_lifetime``
-    and implement ``kind``, ``_features``, ``_prepare`` and ``_submit``.
+    Subclasses build their resources, call :meth:`_establish` last, and
+    implement ``kind``, ``_features``, ``_submit`` and ``memory_summary``
+    (``_rules`` when their requests have rules of their own); ``builders``
+    declares the builders they implement.
     """
 
     _weights: "SharedWeights"
     _profile: "Profile"
     _params: "ContextParams"
+    _adapter: "SharedAdapter | None"
     _lifetime: "Lifetime"
+
+    #: The builders (of :data:`BUILDERS`) this kind implements; the others are refused.
+    builders: ClassVar[frozenset[str]] = frozenset()
+    #: Why this kind refuses builders, and what to call instead (the refusal message's second half).
+    _builder_note: ClassVar[str] = "derive profiles from the lease the others come from"
+    #: What one request is called in the message of a request on a closed lease.
+    _request_noun: ClassVar[str] = "a request"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        unknown = cls.builders - set(BUILDERS)
+        implemented = {b for b in BUILDERS if getattr(cls, b) is not getattr(Lease, b)}
+        if unknown or implemented != cls.builders:
+            raise TypeError(
+                f"{cls.__name__}.builders must name exactly the builders it implements: declares "
+                f"{sorted(cls.builders)}, implements {sorted(implemented)}"
+            )
+
+    # -- construction: the last step of every kind ---------------------------------------
+    def _establish(
+        self, weights: "SharedWeights", profile: "Profile", params: "ContextParams", lifetime: "Lifetime",
+        adapter: "SharedAdapter | None" = None,
+    ) -> None:
+        """Record what the protocol reads, then watch the lease: when it becomes unreachable its
+        lifetime is released (the finalizer holds the lifetime, never the lease)."""
+        self._weights = weights
+        self._profile = profile
+        self._params = params
+        self._adapter = adapter
+        self._lifetime = lifetime
+        self._finalizer = lifetime.watch(self)
 
     # -- what kind of lease -------------------------------------------------------
     @property
@@ -99,7 +177,12 @@ class Lease(ABC):
 
     # -- requests: written once for every kind ----------------------------------------
     def generate(
-        self, prompt: str, *, on_text: Callable[[str], None] | None = None, **options: "Unpack[RequestOptions]"
+        self,
+        prompt: str,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        settings: "RequestSettings | None" = None,
+        **options: "Unpack[RequestOptions]",
     ) -> "Response":
         """Answer one user message formatted with the chat template.
 
@@ -109,37 +192,92 @@ class Lease(ABC):
         ``top_p`` and ``min_p`` (0..1), ``repeat_penalty`` (> 0) over the last
         ``repeat_last_n`` tokens, ``presence_penalty`` and ``frequency_penalty``
         (-2..2), and ``grammar`` (GBNF) or ``json_schema`` (a JSON-schema dict)
-        to constrain the output. ``on_text`` is called with each newly final
-        piece of text.
+        to constrain the output (every option: :mod:`aner_nb.llm.options`).
+        ``settings`` is a ready :class:`~aner_nb.llm.RequestSettings` instead of
+        keyword options (what the magics and the HTTP service pass).
+        ``on_text`` is called with each newly final piece of text.
         """
-        return self._run(self._prepare(as_messages(prompt, strict_str=True), options), on_text)
+        messages = as_messages(prompt, strict_str=True)
+        return self._run(self._prepare(messages, request_settings(options, settings)), on_text)
 
     def complete(
-        self, text: str, *, on_text: Callable[[str], None] | None = None, **options: "Unpack[RequestOptions]"
+        self,
+        text: str,
+        *,
+        on_text: Callable[[str], None] | None = None,
+        settings: "RequestSettings | None" = None,
+        **options: "Unpack[RequestOptions]",
     ) -> "Response":
         """Continue ``text`` as given, without the chat template (for base models); options as ``generate``."""
-        return self._run(self._prepare(as_raw_text(text), options), on_text)
+        raw = as_raw_text(text)
+        return self._run(self._prepare(raw, request_settings(options, settings)), on_text)
 
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         on_text: Callable[[str], None] | None = None,
+        settings: "RequestSettings | None" = None,
         **options: "Unpack[RequestOptions]",
     ) -> "Response":
         """Answer a conversation given as ``[{"role": ..., "content": ...}, ...]`` (options as ``generate``)."""
-        return self._run(self._prepare(validate_messages(messages), options), on_text)
+        checked = validate_messages(messages)
+        return self._run(self._prepare(checked, request_settings(options, settings)), on_text)
 
     def stream(
-        self, prompt: "str | Sequence[Mapping[str, Any]]", *, raw: bool = False, **options: "Unpack[RequestOptions]"
+        self,
+        prompt: "str | Sequence[Mapping[str, Any]]",
+        *,
+        raw: bool = False,
+        settings: "RequestSettings | None" = None,
+        **options: "Unpack[RequestOptions]",
     ) -> Stream:
         """Like ``generate``/``chat`` (``complete`` with ``raw=True``) but yields verified text pieces."""
-        prepared = self._prepare(as_raw_text(prompt) if raw else as_messages(prompt), options)
+        messages = as_raw_text(prompt) if raw else as_messages(prompt)
+        prepared = self._prepare(messages, request_settings(options, settings))
         return Stream(*self._start(prepared, None, streaming=True))
 
-    @abstractmethod
-    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
-        """Check and tokenize one request against this lease's rules and context."""
+    def map(
+        self,
+        data: Any,
+        prompt: str,
+        *,
+        json_schema: "Mapping[str, Any] | None" = None,
+        expand: bool = False,
+        system: str | None = None,
+        checkpoint: Any = None,
+        progress: bool | None = None,
+        settings: "RequestSettings | None" = None,
+        **options: "Unpack[RequestOptions]",
+    ) -> Any:
+        """Answer ``prompt`` (a template over the columns: ``"Classify: {text}"``) for every row of ``data``.
+
+        ``data`` is a pandas DataFrame or Series; the result is a DataFrame on its
+        index with ``answer``, ``finish_reason``, ``prompt_tokens``,
+        ``completion_tokens``, ``first_token_ms``, ``total_ms`` and ``error``
+        (empty where the row succeeded: one bad row never loses the run). A
+        batching lease runs up to its ``max_sequences`` rows at once. With
+        ``json_schema`` every answer is constrained to the schema, and
+        ``expand=True`` adds one typed column per property. ``checkpoint`` (a
+        ``.jsonl`` path) keeps finished rows, so the same call after a kernel
+        restart runs only the rest. Ctrl-C returns what finished. Details:
+        :mod:`aner_nb.llm.frame_map`.
+        """
+        return map_frame(self, data, prompt, json_schema=json_schema, expand=expand, system=system,
+                         checkpoint=checkpoint, progress=progress, settings=settings, **options)
+
+    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", request: "RequestSettings") -> Prepared:
+        """Check and tokenize one request (its settings already checked) against this lease's rules and context."""
+        self._lifetime.check_open(self._request_noun)
+        rules = self._rules(messages, request)
+        return prepare(
+            self._weights, rules.messages, request, context=rules.context, greedy_only=rules.greedy_only,
+            context_note=rules.context_note, trusted=rules.trusted,
+        )
+
+    def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: "RequestSettings") -> RequestRules:
+        """This kind's rules for one request: by default the messages as given, within the whole context."""
+        return RequestRules(messages, context=self.context)
 
     @abstractmethod
     def _submit(
@@ -238,8 +376,55 @@ class Lease(ABC):
         """The exact token ids a request with this prompt (message list, or raw text) evaluates."""
         return prompt_token_ids(self._weights, as_raw_text(prompt) if raw else as_messages(prompt))
 
+    @property
+    def adapter(self) -> "AdapterInfo | None":
+        """The LoRA adapter this lease's contexts apply (name, hashes, rank, targets), or None."""
+        return self._adapter.info if self._adapter is not None else None
+
     def load_summary(self) -> "LoadSummary":
         return self._weights.summary
+
+    # -- summaries: every kind answers them ---------------------------------------------
+    @abstractmethod
+    def memory_summary(self) -> "MemorySummary":
+        """Weights, the KV of this lease's contexts now and what its policies may hold, and the process's
+        measured memory."""
+
+    def stats(self) -> "SchedulerStats":
+        """A snapshot of the batching scheduler's counters; a kind without a scheduler has none to report
+        and raises :class:`UnsupportedFeatureError` (``param="continuous_batching"``)."""
+        raise UnsupportedFeatureError(
+            f"stats() reports a continuous-batching scheduler, and this {self.kind} lease has none "
+            "(supports('continuous_batching') is False); derive one with with_batching(n)",
+            param="continuous_batching",
+        )
+
+    # -- builders: the ones a kind does not implement are refused here -------------------------
+    def _refuse_builder(self, builder: str) -> UnsupportedFeatureError:
+        """The one refusal of a builder this kind does not support (``builders``); ``param`` names it."""
+        return UnsupportedFeatureError(
+            f"{builder}() is not available on a {self._lifetime.noun}: {self._builder_note}", param=builder
+        )
+
+    def with_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """A latency profile on the same weights (see :meth:`aner_nb.llm.LLMModel.with_optimizer`)."""
+        raise self._refuse_builder("with_optimizer")
+
+    def with_context_pool(self, *args: Any, **kwargs: Any) -> Any:
+        """The same profile with another idle-context bound (see :meth:`aner_nb.llm.LLMModel.with_context_pool`)."""
+        raise self._refuse_builder("with_context_pool")
+
+    def with_adapter(self, *args: Any, **kwargs: Any) -> Any:
+        """A lease applying a LoRA adapter (see :meth:`aner_nb.llm.LLMModel.with_adapter`)."""
+        raise self._refuse_builder("with_adapter")
+
+    def with_batching(self, *args: Any, **kwargs: Any) -> Any:
+        """A throughput lease (see :meth:`aner_nb.llm.LLMModel.with_batching`)."""
+        raise self._refuse_builder("with_batching")
+
+    def session(self, *args: Any, **kwargs: Any) -> Any:
+        """A persistent conversation (see :meth:`aner_nb.llm.LLMModel.session`)."""
+        raise self._refuse_builder("session")
 
     def _context_kv_bytes(self) -> int:
         """KV bytes llama.cpp allocates for one context of this lease (its ``context_params``)."""

@@ -5,9 +5,9 @@ request here before it runs it: the options become :class:`RequestSettings`
 (each bound checked once, errors naming the option in ``param``), messages
 are normalised and rendered with the chat template, the prompt is
 tokenized, and prompt plus ``max_tokens`` must fit the lease's context.
-Adding a request option means a field and its check on
-:class:`~aner_nb.llm.profiles.RequestSettings` and a key in
-:class:`RequestOptions`; nothing else changes shape.
+A request option is declared once, in :mod:`aner_nb.llm.options`;
+:class:`RequestSettings`, :data:`RequestOptions`, :data:`REQUEST_OPTIONS` and
+:data:`SAMPLING_OPTIONS` are derived from that declaration.
 
 The engine settings a lease's contexts get (:func:`context_params`) and the
 timings part describing them (:func:`profile_timings`) live here too, so
@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ._engine import ContextParams, default_threads
 from .prefix_pool import common_prefix_length
-from .chat import validate_messages
+from .chat import locate_contents, template_layout, validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
-from .profiles import Profile, RequestSettings
+from .options import REGISTRY, Registry, RequestSettings
+from .profiles import Profile
 from .runner import Job
 from .sampling import request_grammar
 from .timings import ProfileTimings
@@ -51,27 +52,11 @@ __all__ = [
     "template_opening",
 ]
 
-REQUEST_OPTIONS = tuple(f.name for f in dataclasses.fields(RequestSettings))
+REQUEST_OPTIONS = REGISTRY.names
 # Options that change which token is chosen (a speculative lease accepts none of them).
-SAMPLING_OPTIONS = tuple(name for name in REQUEST_OPTIONS if name not in ("max_tokens", "seed", "stop"))
-
-
-class RequestOptions(TypedDict, total=False):
-    """The keyword options every request method takes (see RequestSettings for bounds)."""
-
-    max_tokens: int
-    temperature: float
-    seed: int
-    stop: "str | Sequence[str] | None"
-    top_k: int
-    top_p: float
-    min_p: float
-    repeat_penalty: float
-    repeat_last_n: int
-    presence_penalty: float
-    frequency_penalty: float
-    grammar: "str | None"
-    json_schema: "Mapping[str, Any] | None"
+SAMPLING_OPTIONS = REGISTRY.sampling
+# The keyword options every request method takes (see aner_nb.llm.options for bounds).
+RequestOptions = REGISTRY.typed_dict
 
 
 @dataclass(frozen=True)
@@ -104,14 +89,25 @@ def as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict[str, str
     return validate_messages(prompt)
 
 
-def request_settings(options: Mapping[str, Any]) -> RequestSettings:
-    """The checked settings of one request; an unknown option is refused by name."""
-    unknown = sorted(set(options) - set(REQUEST_OPTIONS))
-    if unknown:
+def request_settings(
+    options: Mapping[str, Any], settings: "RequestSettings | None" = None, *, registry: Registry = REGISTRY
+) -> RequestSettings:
+    """The checked settings of one request: ``settings`` as given, or built from the keyword ``options``.
+
+    An unknown option is refused by name; ``settings`` and keyword options together are refused.
+    """
+    if settings is None:
+        return registry.settings_from(options)
+    if not isinstance(settings, registry.settings):
         raise InvalidRequestError(
-            f"unknown request option {unknown[0]!r}; the options are {', '.join(REQUEST_OPTIONS)}", param=unknown[0]
+            f"settings must be a RequestSettings, got {type(settings).__name__}", param="settings"
         )
-    return RequestSettings(**options)
+    if options:
+        name = next(iter(options))
+        raise InvalidRequestError(
+            f"pass either settings= or keyword options, not both (got settings= and {name}=)", param=name
+        )
+    return settings
 
 
 def as_raw_text(text: Any) -> RawText:
@@ -120,37 +116,87 @@ def as_raw_text(text: Any) -> RawText:
     return RawText(text)
 
 
-def prompt_token_ids(weights: "SharedWeights", prompt: "Sequence[Mapping[str, Any]] | RawText") -> list[int]:
-    """The tokens a prompt evaluates; special-token text (e.g. ``<bos>``) is parsed.
+def prompt_token_ids(
+    weights: "SharedWeights",
+    prompt: "Sequence[Mapping[str, Any]] | RawText",
+    *,
+    allow_special_tokens: bool = False,
+    trusted: "frozenset[int]" = frozenset(),
+) -> list[int]:
+    """The tokens a prompt evaluates.
 
-    Messages are rendered with the chat template, which writes BOS itself
-    when the model family wants one, so no special tokens are added on top.
-    Raw text gets the model's own BOS/EOS rule, as llama.cpp's ``/completion``.
+    Messages are rendered with the chat template, which writes BOS itself when the model family
+    wants one, so no special tokens are added on top. Only the template's own text may become
+    special (control) tokens: special-token text inside a message's content (``<|im_end|>``
+    typed by a user) is tokenized as plain text, unless ``allow_special_tokens`` (every message)
+    or ``trusted`` (those message indices; a session's turns sent with the option) says the
+    caller wrote it on purpose. When no content contributes a control token the ids are exactly
+    those of tokenizing the whole render (llama-cpp-python's rule); otherwise the render is split
+    into template and content pieces, tokenized separately and concatenated, and a content that
+    cannot be located in the render while it holds special-token text is refused.
+
+    Raw text (``complete()``) is the caller's whole prompt: special-token text is parsed and the
+    model's own BOS/EOS rule applies, as llama.cpp's ``/completion``.
     """
+    native = weights.native
     if isinstance(prompt, RawText):
-        return weights.native.tokenize(prompt.text, add_special=True, parse_special=True)
-    text = weights.template.render(prompt, add_generation_prompt=True)
-    return weights.native.tokenize(text, add_special=False, parse_special=True)
+        return native.tokenize(prompt.text, add_special=True, parse_special=True)
+    template = weights.template
+    text = template.render(prompt, add_generation_prompt=True)
+    whole = native.tokenize(text, add_special=False, parse_special=True)
+    if allow_special_tokens or len(trusted) >= len(prompt):
+        return whole
+    special = native.parsed_special
+    layout = template_layout(template, prompt, trusted=trusted)
+    if layout is not None:
+        # Fast path: the whole render has exactly the template pieces' control tokens, in order.
+        ours = [t for piece in layout if isinstance(piece, str) for t in native.tokenize(piece) if special(t)]
+        if [t for t in whole if special(t)] == ours:
+            return whole
+        pieces = locate_contents(text, layout, [m["content"] for m in prompt])
+        if pieces is not None:
+            out: list[int] = []
+            for piece, index in pieces:
+                if piece:
+                    out += native.tokenize(piece, add_special=False, parse_special=index is None)
+            return out
+    # The contents cannot be told apart from the template's text: refuse any that holds special-token text.
+    for i, message in enumerate(prompt):
+        content = message["content"]
+        if i not in trusted and native.tokenize(content, parse_special=True) != native.tokenize(content, parse_special=False):
+            raise InvalidRequestError(
+                f"messages[{i}].content contains special-token text (such as the template's turn markers) and "
+                "this chat template's output cannot be split into its own text and the messages' contents, so "
+                "it cannot be kept as plain text; remove the marker text, or pass allow_special_tokens=True "
+                "if you wrote it on purpose",
+                param=f"messages[{i}].content",
+            )
+    return whole
 
 
 def prepare(
     weights: "SharedWeights",
     messages: "tuple[dict[str, str], ...] | RawText",
-    options: Mapping[str, Any],
+    request: "RequestSettings | Mapping[str, Any]",
     *,
     context: int,
     greedy_only: bool = False,
     context_note: str = "",
+    trusted: "frozenset[int]" = frozenset(),
 ) -> Prepared:
-    """Check the options, format and tokenize the messages, and check that prompt plus output fit ``context``.
+    """Check ``request`` against the model, format and tokenize the messages, and check that prompt plus output
+    fit ``context``. The settings were checked when they were built (``request_settings``; keyword options given
+    as a mapping are built here); only the checks that need the model or the lease remain here.
 
     ``greedy_only`` refuses anything but plain greedy decoding (a speculative
     lease verifies proposals against the argmax of the raw logits);
     ``context_note`` explains a lease-specific context limit in the overflow
-    message.
+    message; ``trusted`` message indices may hold special tokens (see
+    :func:`prompt_token_ids`).
     """
     t_call = time.perf_counter_ns()
-    request = request_settings(options)
+    if not isinstance(request, RequestSettings):
+        request = request_settings(request)
     if request.top_k > weights.native.n_vocab:
         raise InvalidRequestError(
             f"top_k must be in 0..{weights.native.n_vocab} (the vocabulary size), got {request.top_k}", param="top_k"
@@ -158,13 +204,15 @@ def prepare(
     if greedy_only:
         _check_plain_greedy(request)
     grammar = request_grammar(weights.native, request)
-    tokens = prompt_token_ids(weights, messages)
+    tokens = prompt_token_ids(weights, messages, allow_special_tokens=request.allow_special_tokens, trusted=trusted)
     if not tokens:
         raise ContextOverflowError(
             "the formatted prompt is empty; a request needs at least one prompt token", param="messages"
         )
+    room = context - len(tokens)
+    if request.max_tokens_fit and 0 < room < request.max_tokens:  # generate what fits, as OpenAI servers do
+        request = dataclasses.replace(request, max_tokens=room)
     if len(tokens) + request.max_tokens > context:
-        room = context - len(tokens)
         advice = f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"
         raise ContextOverflowError(
             f"prompt of {len(tokens)} tokens plus max_tokens={request.max_tokens} is "

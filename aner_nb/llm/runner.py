@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Sequence
+from typing import Generator, Iterator, Sequence
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .errors import EngineError
@@ -56,6 +56,15 @@ class Job:
         self.parts.append(part)
 
 
+@dataclass
+class SpeculationCounts:
+    """Prompt-lookup counters of one speculative run, updated as it verifies (mutable, one owner)."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verification_steps: int = 0
+
+
 class SequenceOutput:
     """What one request has produced so far, and whether it is finished.
 
@@ -80,7 +89,7 @@ class SequenceOutput:
         self.prompt_eval_duration = NOT_MEASURED
         self.first_token_duration = NOT_MEASURED
         self.decode_duration = NOT_MEASURED
-        self.speculation: list[int] | None = None  # proposed, accepted, verification steps (speculative runs)
+        self.speculation: SpeculationCounts | None = None  # speculative runs only
         self.t_work = _now()
         self.t_first = NOT_MEASURED
 
@@ -135,7 +144,8 @@ class SequenceOutput:
         text = self.assembler.text
         parts = list(job.parts)
         if self.speculation is not None:
-            parts.append(SpeculativeTimings(*self.speculation))
+            c = self.speculation
+            parts.append(SpeculativeTimings(c.proposed, c.accepted, c.verification_steps))
         timings = Timings.assemble(*parts, self.run_timings())  # the total is taken last: the response is ready
         response = Response(
             text=text,
@@ -225,7 +235,7 @@ def run_request(
     verified token, so a cancelled long prompt stops within one chunk.
     """
     job.started = True
-    request, prompt, seq = job.request, job.prompt_tokens, job.seq
+    request, prompt = job.request, job.prompt_tokens
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
     if speculative_tokens and not request.plain_argmax:
@@ -235,55 +245,24 @@ def run_request(
     index = NgramIndex(prompt) if speculative_tokens else None
     policy = DraftPolicy(speculative_tokens) if speculative_tokens else None
     if index is not None:
-        out.speculation = [0, 0, 0]
+        out.speculation = SpeculationCounts()
     try:
-        t0 = _now()
-        try:
-            prefill(ctx, batch, prompt, job.n_cached, seq, cancel=job.cancel)
-        except PrefillCancelled as stopped:  # cancelled before (or while) its prompt was evaluated
-            out.prompt_eval_duration = _now() - t0
-            out.evaluated_prompt_tokens = stopped.evaluated
+        if not _evaluate_prompt(ctx, batch, job, out):
             return out.response("cancelled")
-        out.prompt_eval_duration = _now() - t0
         row = batch.n_tokens - 1
-        token = ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)
-        pos = len(prompt)  # KV position of ``token``, which is sampled but not yet evaluated
-        verified = [token]
+        verified = [ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)]
+        pos = len(prompt)  # KV position of ``verified[-1]``, which is sampled but not yet evaluated
         while True:
-            for token in verified:
-                piece = out.accept(token)
-                if piece:
-                    yield piece
-                if out.finished:
-                    break
+            yield from _accept(out, verified)
             if out.finished:
                 break
             if index is not None:
                 index.extend(verified)
-            drafts: list[int] = []
-            if index is not None and policy is not None:
-                room = min(request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
-                drafts = index.propose(min(policy.budget(), room))
-            batch.clear()
-            batch.add(token, pos, seq, logits=True)
-            for i, draft in enumerate(drafts):
-                batch.add(draft, pos + 1 + i, seq, logits=True)
-            out.decode_calls += 1
-            if ctx.decode(batch) == DECODE_NO_KV_SLOT:
-                raise EngineError(f"no KV slot for positions {pos}..{pos + len(drafts)} (context {ctx.n_ctx})")
+            drafts = _drafts(ctx, out, index, policy, pos)
+            _decode(ctx, batch, out, verified[-1], pos, drafts)
             if drafts:
                 verified = _verify(ctx, drafts)
-                accepted = len(verified) - 1
-                policy.update(len(drafts), accepted)  # type: ignore[union-attr]
-                counts = out.speculation
-                assert counts is not None
-                counts[0] += len(drafts)
-                counts[1] += accepted
-                counts[2] += 1
-                if accepted < len(drafts) and not ctx.seq_rm(seq, pos + 1 + accepted, -1):
-                    raise EngineError(f"could not remove rejected proposals at positions {pos + 1 + accepted}..")
-                # Rejected rows leave no trace: the KV ends at the last verified position.
-                pos += 1 + accepted
+                pos = _keep_accepted(ctx, out, policy, pos, drafts, len(verified) - 1)
             else:
                 verified = [ctx.greedy(0) if sampler is None else sampler.sample(ctx, 0)]
                 pos += 1
@@ -297,6 +276,70 @@ def run_request(
     if tail:
         yield tail
     return out.response()
+
+
+def _evaluate_prompt(ctx: NativeContext, batch: Batch, job: Job, out: SequenceOutput) -> bool:
+    """Prefill the uncached prompt, timed into ``out``; False when it was cancelled before the end."""
+    t0 = _now()
+    try:
+        prefill(ctx, batch, job.prompt_tokens, job.n_cached, job.seq, cancel=job.cancel)
+    except PrefillCancelled as stopped:  # cancelled before (or while) its prompt was evaluated
+        out.prompt_eval_duration = _now() - t0
+        out.evaluated_prompt_tokens = stopped.evaluated
+        return False
+    out.prompt_eval_duration = _now() - t0
+    return True
+
+
+def _accept(out: SequenceOutput, verified: Sequence[int]) -> Iterator[str]:
+    """Accept the verified tokens in order, yielding their text, until the sequence finishes."""
+    for token in verified:
+        piece = out.accept(token)
+        if piece:
+            yield piece
+        if out.finished:
+            return
+
+
+def _drafts(
+    ctx: NativeContext, out: SequenceOutput, index: NgramIndex | None, policy: DraftPolicy | None, pos: int
+) -> list[int]:
+    """The prompt-lookup proposals to verify after the token at ``pos`` (none without speculation)."""
+    if index is None or policy is None:
+        return []
+    room = min(out.job.request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
+    return index.propose(min(policy.budget(), room))
+
+
+def _decode(
+    ctx: NativeContext, batch: Batch, out: SequenceOutput, token: int, pos: int, drafts: Sequence[int]
+) -> None:
+    """Evaluate the pending ``token`` at ``pos`` and the ``drafts`` after it, logits on every row."""
+    seq = out.job.seq
+    batch.clear()
+    batch.add(token, pos, seq, logits=True)
+    for i, draft in enumerate(drafts):
+        batch.add(draft, pos + 1 + i, seq, logits=True)
+    out.decode_calls += 1
+    if ctx.decode(batch) == DECODE_NO_KV_SLOT:
+        raise EngineError(f"no KV slot for positions {pos}..{pos + len(drafts)} (context {ctx.n_ctx})")
+
+
+def _keep_accepted(
+    ctx: NativeContext, out: SequenceOutput, policy: DraftPolicy | None, pos: int, drafts: Sequence[int],
+    accepted: int,
+) -> int:
+    """Count ``accepted`` of ``drafts``, drop the rejected rows' KV; returns the next pending position."""
+    policy.update(len(drafts), accepted)  # type: ignore[union-attr]
+    counts = out.speculation
+    assert counts is not None
+    counts.proposed += len(drafts)
+    counts.accepted += accepted
+    counts.verification_steps += 1
+    if accepted < len(drafts) and not ctx.seq_rm(out.job.seq, pos + 1 + accepted, -1):
+        raise EngineError(f"could not remove rejected proposals at positions {pos + 1 + accepted}..")
+    # Rejected rows leave no trace: the KV ends at the last verified position.
+    return pos + 1 + accepted
 
 
 def _verify(ctx: NativeContext, drafts: Sequence[int]) -> list[int]:

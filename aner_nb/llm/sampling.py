@@ -20,6 +20,7 @@ import json
 from typing import Any, Iterator, Mapping, Sequence
 
 from ._engine import GrammarError, NativeModel, Sampler, SamplerChain, check_grammar, json_schema_grammar
+from .constraints import check_grammar_text
 from .errors import InvalidRequestError
 from .profiles import RequestSettings
 
@@ -111,9 +112,10 @@ def request_grammar(model: NativeModel, request: RequestSettings) -> str | None:
             )
         try:
             grammar = json_schema_grammar(json.dumps(request.json_schema))
-        except (GrammarError, TypeError, ValueError) as exc:  # TypeError/ValueError: not JSON-serialisable
+        except (GrammarError, TypeError, ValueError, RecursionError) as exc:  # TypeError/ValueError: not JSON
             raise InvalidRequestError(f"json_schema is not usable: {exc}", param="json_schema") from None
         param = "json_schema"
+        check_grammar_text(grammar, param=param)  # the converter's output is bounded like any grammar
     elif request.grammar is not None:
         grammar, param = request.grammar, "grammar"
     else:

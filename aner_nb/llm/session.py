@@ -1,7 +1,8 @@
 """A persistent conversation that owns its context and keeps its history in the KV.
 
 Each turn renders the whole conversation with the chat template and
-tokenizes it, then keeps the longest identical token prefix already in the
+tokenizes it (special-token text in the turns stays plain text, except in
+turns sent with ``allow_special_tokens=True``), then keeps the longest identical token prefix already in the
 KV and evaluates only the rest. Re-tokenizing the model's own answer can
 differ from the tokens it sampled; the divergent tail is then removed and
 re-evaluated, and ``cached_input_tokens`` says how much was reused.
@@ -10,7 +11,7 @@ re-evaluated, and ``cached_input_tokens`` says how much was reused.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from ._engine import Batch, NativeContext
 from .adapters import SharedAdapter
@@ -19,12 +20,14 @@ from .context_pool import ContextSlot
 from .errors import InvalidRequestError, UnsupportedFeatureError
 from .lifetime import Lifetime
 from .prefix_pool import reusable_prefix
+from .options import RequestSettings
 from .profiles import Profile
-from .protocol import Done, Lease, LeaseKind, Pieces, with_text_callback
-from .requests import Prepared, RawText, context_params, prepare
+from .protocol import Done, Lease, LeaseKind, Pieces, RequestRules, with_text_callback
+from .requests import Prepared, RawText, context_params
 from .response import Response
 from .runner import Job, run_request
 from .stream import Stream
+from .summary import ESTIMATE, PER_LEASE, Holding, MemorySummary, memory_summary, pooled_kv_bytes
 from .timings import PoolTimings
 from .weights import SharedWeights
 
@@ -38,6 +41,9 @@ class Session(Lease):
     own context. ``generate(text)`` is ``send(text)``; ``chat`` is not
     available (the session owns the conversation).
     """
+
+    _builder_note = "builders derive leases from leases, and a session is a conversation: derive profiles from the lease"
+    _request_noun = "a turn"
 
     def __init__(
         self,
@@ -56,15 +62,14 @@ class Session(Lease):
         with life.building(weights, adapter) as stack:
             slot = ContextSlot(NativeContext(weights.native, params), Batch(params.n_batch, 1))
             stack.callback(slot.free)  # the context first, then the adapter it applies, then the weights
-        self._weights = weights
-        self._profile = profile
-        self._params = params
         self._slot = slot
         self._system = system
         self._history: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
+        # Indices of history messages sent with allow_special_tokens=True: their special-token text stays
+        # special when later turns re-render the conversation (the rest is plain text, as in any request).
+        self._trusted: frozenset[int] = frozenset()
         self._kv_tokens: list[int] = []  # tokens at KV positions 0..n-1 of sequence 0
-        self._lifetime = life
-        self._finalizer = life.watch(self)
+        self._establish(weights, profile, params, life, adapter)
 
     @property
     def messages(self) -> tuple[dict[str, str], ...]:
@@ -86,12 +91,6 @@ class Session(Lease):
         turns = sum(1 for m in self._history if m["role"] == "user")
         return f"<Session {self.name!r} turns={turns} cached_tokens={self.cached_tokens}{' closed' if self.closed else ''}>"
 
-    # Builders derive leases from leases; a session is a conversation, not a lease to derive from.
-    def _no_builders(self, *args: Any, **kwargs: Any) -> None:
-        raise UnsupportedFeatureError("builders are not available on a session; derive profiles from the lease")
-
-    with_optimizer = with_context_pool = with_batching = with_adapter = session = _no_builders
-
     def send(self, content: str, **options: Any) -> Response:
         """Add a user turn, answer it, and keep both in the history (options as ``generate``)."""
         return self.generate(content, **options)
@@ -104,13 +103,14 @@ class Session(Lease):
         raise UnsupportedFeatureError("a session keeps its own conversation: use send(text), not chat(messages)")
 
     # -- requests: the protocol's two steps ---------------------------------------
-    def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", options: Mapping[str, Any]) -> Prepared:
-        self._lifetime.check_open("a turn")
+    def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
+        """One user turn after the history, within the session's context."""
         if isinstance(messages, RawText):
             raise UnsupportedFeatureError("a session is a conversation: raw completion (complete) is not available")
         if len(messages) != 1 or messages[0]["role"] != "user":
             raise InvalidRequestError("a session turn is one user message: pass a str", param="prompt")
-        return prepare(self._weights, (*self._history, *messages), options, context=self._params.n_ctx)
+        trusted = self._trusted | ({len(self._history)} if request.allow_special_tokens else set())
+        return RequestRules((*self._history, *messages), context=self._params.n_ctx, trusted=frozenset(trusted))
 
     def _submit(
         self, prepared: Prepared, job: Job, on_text: Callable[[str], None] | None, streaming: bool
@@ -131,12 +131,26 @@ class Session(Lease):
         pieces = run_request(self._weights.native, ctx, self._slot.batch, job)
         return with_text_callback(pieces, on_text), lambda ok: self._end(job, prepared.messages[-1], ok)
 
+    def memory_summary(self) -> MemorySummary:
+        """Weights, the KV of the session's one context (the conversation it holds now), and the process's
+        measured memory."""
+        kv_bytes = self._context_kv_bytes()
+        one, source = pooled_kv_bytes(self._weights, self._params, kv_bytes)
+        held = [Holding(f"the conversation's context ({self.cached_tokens} tokens)", 1, one, PER_LEASE, source)]
+        bounds = [Holding("the session's context (its whole conversation)", 1, kv_bytes, PER_LEASE, ESTIMATE)]
+        return memory_summary(
+            self._weights, kv_bytes=kv_bytes, kv_scope="per session (one context holding the conversation)",
+            contexts=self._weights.native.live_contexts(), params=self._params, held=held, bounds=bounds,
+        )
+
     def _end(self, job: Job, user: dict[str, str], ok: bool) -> None:
         """A finished turn joins the history and the KV; a failed or cancelled one leaves neither."""
         response = job.result
         if ok and response is not None and response.finish_reason != "cancelled":
             stored = self._slot.ctx.seq_pos_max(0) + 1  # the last sampled token was never evaluated
             self._kv_tokens = (list(job.prompt_tokens) + list(response.tokens))[:stored]
+            if job.request.allow_special_tokens:
+                self._trusted |= {len(self._history)}
             self._history += [user, {"role": "assistant", "content": response.text}]
         else:
             self._slot.ctx.clear()

@@ -115,12 +115,22 @@ class SharedPrefixes:
     def capacity(self) -> int:
         return len(self.streams)
 
+    # The prefix caches' one vocabulary (this class and PrefixPool): ``entries`` counts the held
+    # prefixes, ``held_tokens`` sums their tokens, ``retained_tokens()`` lists them, least recent first.
     @property
-    def entries(self) -> tuple[PrefixEntry, ...]:
-        return tuple(sorted(self._entries.values(), key=lambda e: e.last_used))
+    def entries(self) -> int:
+        return len(self._entries)
 
-    def retained_tokens(self) -> int:
+    @property
+    def held_tokens(self) -> int:
         return sum(len(e.tokens) for e in self._entries.values())
+
+    def retained_tokens(self) -> list[tuple[int, ...]]:
+        return [e.tokens for e in self.held()]
+
+    def held(self) -> tuple[PrefixEntry, ...]:
+        """The entries themselves (stream, tokens, use), least recently used first."""
+        return tuple(sorted(self._entries.values(), key=lambda e: e.last_used))
 
     def _tick(self) -> int:
         self._clock += 1

@@ -1,11 +1,15 @@
 """What ``%%generate`` and ``%%chat`` share: their request options, and streaming into a view.
 
-``request_options`` declares the flags (each sampling flag is the library
-option of the same name), ``request_kwargs`` turns parsed flags into the
-library's keyword arguments (``--grammar VAR`` / ``--json-schema VAR|JSON``
-read from the namespace), and ``stream_into`` feeds a stream to a display
-view, turning Ctrl-C into a cancelled request whose partial Response is
-kept. What happens after an interrupt is the magic's policy, not decided here.
+The request flags are derived from the library's option declarations
+(:data:`aner_nb.llm.options.REGISTRY`): every option with a ``Flag`` is
+``--name-with-dashes METAVAR``, its help the option's help with its bounds
+and default. ``request_options`` adds them (and the display flags) to a
+parser (``request_flags`` only them, for ``%llm chat``), ``request_usage`` writes them into a usage line, and
+``request_settings`` turns parsed flags into one checked ``RequestSettings``
+(``--grammar VAR`` / ``--json-schema VAR|JSON`` read from the namespace).
+``stream_into`` feeds a stream to a display view, turning Ctrl-C into a
+cancelled request whose partial Response is kept. What happens after an
+interrupt is the magic's policy, not decided here.
 """
 
 from __future__ import annotations
@@ -15,35 +19,56 @@ from typing import Any, Mapping
 
 from IPython.core.error import UsageError
 
+from ..llm.options import REGISTRY, Option, Registry
+from ..llm.requests import request_settings as library_settings
 from ..widgets.answer import FORMATS
 from .parser import int_arg
 
-__all__ = ["SAMPLING_FLAGS", "request_options", "request_kwargs", "stream_into"]
+__all__ = ["request_flags", "request_options", "request_usage", "request_settings", "flag_help", "stream_into"]
 
-# (flag, type, metavar, help) of the sampling options; each maps to the library option of the same name.
-SAMPLING_FLAGS = (
-    ("--top-k", int_arg, "K", "keep the K most likely tokens (0: off)"),
-    ("--top-p", float, "P", "nucleus sampling, 0..1 (1: off)"),
-    ("--min-p", float, "P", "drop tokens below P x the top probability, 0..1 (0: off)"),
-    ("--repeat-penalty", float, "X", "> 0; 1 is off"),
-    ("--repeat-last-n", int_arg, "N", "tokens the penalties look back over (default 64)"),
-    ("--presence-penalty", float, "X", "-2..2 (0: off)"),
-    ("--frequency-penalty", float, "X", "-2..2 (0: off)"),
-)
+# Options whose default in a cell comes from the magics' configuration, not from the library.
+CONFIGURED = {"max_tokens": "%%config LLMMagics.max_tokens"}
 
 
-def request_options(p: Any) -> None:
-    """The options every request cell shares (%%generate, %%chat)."""
-    p.add_argument("--max-tokens", type=int_arg, metavar="N",
-                   help="most tokens to generate (default: %%config LLMMagics.max_tokens)")
-    p.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 (greedy, default) .. 2")
-    p.add_argument("--seed", type=int_arg, metavar="S", default=0)
-    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
-    for flag, kind, meta, what in SAMPLING_FLAGS:
-        p.add_argument(flag, type=kind, metavar=meta, help=what)
-    p.add_argument("--grammar", metavar="VAR", help="a variable holding a GBNF grammar the answer must match")
-    p.add_argument("--json-schema", metavar="VAR|JSON",
-                   help="a JSON schema (inline JSON, or a variable holding a dict) the answer must validate against")
+def _flagged(registry: Registry) -> list[Option]:
+    return [o for o in registry if o.flag is not None]
+
+
+def flag_help(option: Option) -> str:
+    """The flag's ``-h`` line: what it does, its bounds and where its default comes from."""
+    flag = option.flag
+    assert flag is not None
+    text = flag.help or option.help
+    details = [option.span] if option.span and flag.takes == "value" else []
+    if option.name in CONFIGURED:
+        details.append(f"default: {CONFIGURED[option.name]}")
+    elif flag.takes == "value":
+        details.append(f"default {option.default:g}" if isinstance(option.default, float) else
+                       f"default {option.default}")
+    return f"{text} ({'; '.join(details)})" if details else text
+
+
+def request_usage(registry: Registry = REGISTRY) -> str:
+    """The request flags as a usage fragment: ``[--max-tokens N] [--temperature T] ...``."""
+    return " ".join(f"[{o.flag_name} {o.flag.metavar}]" for o in _flagged(registry))  # type: ignore[union-attr]
+
+
+def request_flags(p: Any, registry: Registry = REGISTRY) -> None:
+    """The request flags alone (``--max-tokens``, ``--temperature``...), for ``%llm chat``."""
+    for option in _flagged(registry):
+        flag = option.flag
+        assert flag is not None
+        kwargs: dict[str, Any] = {"dest": option.name, "metavar": flag.metavar, "help": flag_help(option)}
+        if flag.takes == "repeat":
+            kwargs["action"] = "append"
+        elif flag.takes == "value":
+            kwargs["type"] = int_arg if option.type is int else float if option.type is float else str
+        p.add_argument(option.flag_name, **kwargs)
+
+
+def request_options(p: Any, registry: Registry = REGISTRY) -> None:
+    """The options every request cell shares (%%generate, %%chat): the request flags, then the display flags."""
+    request_flags(p, registry)
     p.add_argument("--as", dest="var", metavar="VAR", help="also store the Response in this variable")
     p.add_argument("--format", choices=FORMATS,
                    help="how the answer shows: markdown (rendered), text, code (a code block) or json "
@@ -57,35 +82,36 @@ def request_options(p: Any) -> None:
                       help="show nothing (the Response still goes to VAR and _)")
 
 
-def request_kwargs(args: Any, ns: Mapping[str, Any], prog: str, max_tokens: int) -> dict[str, Any]:
-    """The library's request options from a cell's parsed flags; ``max_tokens`` is the default budget."""
-    options: dict[str, Any] = {
-        "max_tokens": max_tokens if args.max_tokens is None else args.max_tokens,
-        "temperature": args.temperature, "seed": args.seed, "stop": args.stop,
-    }
-    options.update(_constraints(args, ns, prog))
-    for flag, *_ in SAMPLING_FLAGS:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-    return options
+def request_settings(args: Any, ns: Mapping[str, Any], prog: str, max_tokens: int,
+                     registry: Registry = REGISTRY) -> Any:
+    """The checked request settings of a cell's parsed flags; ``max_tokens`` is the configured default budget.
+
+    A flag left out leaves the library's default; a bad value raises the library's InvalidRequestError
+    (naming the option), a flag naming a missing variable a UsageError.
+    """
+    options: dict[str, Any] = {"max_tokens": max_tokens} if "max_tokens" in registry else {}
+    for option in _flagged(registry):
+        given = getattr(args, option.name, None)
+        if given is not None:
+            options[option.name] = _flag_value(option, given, ns, prog)
+    return library_settings(options, registry=registry)
 
 
-def _constraints(args: Any, ns: Mapping[str, Any], prog: str) -> dict[str, Any]:
-    """``grammar`` / ``json_schema`` options from their flags (a variable, or inline JSON for a schema)."""
-    out: dict[str, Any] = {}
-    if args.grammar is not None:
-        grammar = ns.get(args.grammar)
-        if not isinstance(grammar, str):
-            raise UsageError(f"{prog}: --grammar {args.grammar!r} must name a variable holding GBNF text")
-        out["grammar"] = grammar
-    if args.json_schema is not None:
-        text = args.json_schema
-        schema = ns.get(text) if text.isidentifier() else _json_or_none(text)
-        if not isinstance(schema, dict):
-            raise UsageError(f"{prog}: --json-schema takes inline JSON or a variable holding a dict, got {text!r}")
-        out["json_schema"] = schema
-    return out
+def _flag_value(option: Option, given: Any, ns: Mapping[str, Any], prog: str) -> Any:
+    """A flag's value: as parsed, or read from a variable (``variable``), or inline JSON (``variable_or_json``)."""
+    flag = option.flag
+    assert flag is not None
+    if flag.takes == "variable":
+        value = ns.get(given)
+        if flag.holds is not None and not isinstance(value, flag.holds):
+            raise UsageError(f"{prog}: {option.flag_name} {given!r} must name a variable holding {flag.holding}")
+        return value
+    if flag.takes == "variable_or_json":
+        value = ns.get(given) if given.isidentifier() else _json_or_none(given)
+        if flag.holds is not None and not isinstance(value, flag.holds):
+            raise UsageError(f"{prog}: {option.flag_name} takes inline JSON or a variable holding a dict, got {given!r}")
+        return value
+    return given
 
 
 def _json_or_none(text: str) -> Any:

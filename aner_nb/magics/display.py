@@ -8,8 +8,12 @@ for saved notebooks). The text is shown in the cell's ``format`` (Markdown,
 text, code or JSON) the same way while it streams and when it is done
 (:func:`aner_nb.widgets.answer_html`; JSON shows as text until it is complete),
 and ``text/plain`` always carries the whole text. ``source`` names the handle
-that answers. A terminal IPython cannot update an output in place, so it gets
-the pieces printed as they come, then :func:`timings_line`.
+that answers. ``timings`` (``LLMMagics.timings``) says what follows the
+answer: ``full`` the timings dashboard, ``compact`` one line
+(:func:`compact_line`: first token, tok/s, tokens, cached input tokens),
+``off`` nothing. A terminal IPython cannot update an output in place, so it gets
+the pieces printed as they come, then :func:`timings_line` (or the compact
+line, or nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Any, Callable
 from ..widgets.answer import answer_html
 from ..widgets.timings import response_panel, timings_line
 
-__all__ = ["make_view", "UpdatingView", "PrintView", "FinalView", "NullView"]
+__all__ = ["make_view", "UpdatingView", "PrintView", "FinalView", "NullView", "TIMINGS", "compact_line", "answer"]
+
+TIMINGS = ("full", "compact", "off")  # what follows an answer: the dashboard, one line, nothing
 
 
 def _bundle(text: str, status: str, format: str = "text", source: str | None = None) -> dict[str, str]:
@@ -35,8 +41,45 @@ def _bundle(text: str, status: str, format: str = "text", source: str | None = N
     }
 
 
-def _by(source: str | None) -> str:
-    return f"; answered by {source}" if source is not None else ""
+def compact_line(response: Any) -> str:
+    """One line of timings: first token ms, decode tok/s, completion tokens, cached input tokens."""
+    first = response.timings.first_token_duration
+    tps = response.tokens_per_second()
+    parts = [
+        f"first token {first / 1e6:.1f} ms" if first >= 0 else "first token –",
+        f"{tps:.1f} tok/s" if tps >= 0 else "– tok/s",
+        f"{response.usage.completion_tokens} tokens",
+        f"{response.usage.cached_input_tokens} cached input tokens",
+    ]
+    return " · ".join(parts)
+
+
+def answer(response: Any, *, format: str = "text", source: str | None = None, timings: str = "full") -> Any:
+    """What a finished answer shows: the response panel (``full``), or the text with a compact line
+    of timings (``compact``) or with none (``off``) as a static bundle; ``source`` is named either way."""
+    if timings == "full":
+        return response_panel(response, format=format, source=source)
+    notes = ([f"answered by {source}"] if source is not None else []) + (
+        [compact_line(response)] if timings == "compact" else [])
+    note = " · ".join(notes)
+    small = f"<small class='aner-timings-line'>{html.escape(note)}</small>" if note else ""
+    return _Bundle({
+        "text/plain": f"{response.text}\n[{note}]" if note else response.text,
+        "text/html": f"<div class='aner-response'>{answer_html(response.text, format)}{small}</div>",
+    })
+
+
+class _Bundle:
+    """A ready mime bundle that ``display`` and ``DisplayHandle.update`` show as it is."""
+
+    def __init__(self, data: dict[str, str]) -> None:
+        self.data = data
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        return self.data
+
+    def __repr__(self) -> str:
+        return self.data["text/plain"]
 
 
 class UpdatingView:
@@ -44,11 +87,12 @@ class UpdatingView:
 
     def __init__(
         self, interval: float, *, format: str = "text", source: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, timings: str = "full",
     ) -> None:
         self.interval = max(float(interval), 0.0)
         self.format = format
         self.source = source
+        self.timings = timings
         self.clock = clock
         self.pieces: list[str] = []
         self.updates = 0  # in-place updates sent while streaming (tests check the throttle)
@@ -80,7 +124,7 @@ class UpdatingView:
         if self._handle is None:
             return
         if response is not None:
-            self._handle.update(response_panel(response, format=self.format, source=self.source))
+            self._handle.update(answer(response, format=self.format, source=self.source, timings=self.timings))
         else:
             self._handle.update(self._bundle("cancelled" if cancelled else "failed"), raw=True)
 
@@ -92,10 +136,12 @@ class UpdatingView:
 class PrintView:
     """Terminal IPython: print pieces as they arrive (or all at the end), then a timings line."""
 
-    def __init__(self, *, stream: bool = True, out: Any = None, source: str | None = None) -> None:
+    def __init__(self, *, stream: bool = True, out: Any = None, source: str | None = None,
+                 timings: str = "full") -> None:
         self.stream = stream
         self.out = out
         self.source = source
+        self.timings = timings
         self.pieces: list[str] = []
 
     def _write(self, text: str) -> None:
@@ -114,8 +160,16 @@ class PrintView:
     def finish(self, response: Any, *, cancelled: bool = False) -> None:
         if not self.stream:
             self._write(response.text if response is not None else "".join(self.pieces))
-        summary = timings_line(response) if response is not None else ("[cancelled]" if cancelled else "[failed]")
-        self._write(f"\n{summary}{_by(self.source)}\n")
+        if response is None:
+            summary = "[cancelled]" if cancelled else "[failed]"
+        elif self.timings == "full":
+            summary = timings_line(response)
+        elif self.timings == "compact":
+            summary = compact_line(response)
+        else:
+            summary = ""
+        by = f"answered by {self.source}" if self.source is not None else ""
+        self._write("\n" + "; ".join(part for part in (summary, by) if part) + "\n")
 
     def fail(self, error: BaseException) -> None:
         self._write(f"\n[failed: {type(error).__name__}]\n")
@@ -124,9 +178,10 @@ class PrintView:
 class FinalView:
     """``--no-stream`` in a notebook: nothing while generating, then the answer and its timings panel."""
 
-    def __init__(self, *, format: str = "text", source: str | None = None) -> None:
+    def __init__(self, *, format: str = "text", source: str | None = None, timings: str = "full") -> None:
         self.format = format
         self.source = source
+        self.timings = timings
 
     def start(self) -> None:
         pass
@@ -138,7 +193,7 @@ class FinalView:
         from IPython.display import display
 
         if response is not None:
-            display(response_panel(response, format=self.format, source=self.source))
+            display(answer(response, format=self.format, source=self.source, timings=self.timings))
         else:
             display(_bundle("", "cancelled" if cancelled else "failed", source=self.source), raw=True)
 
@@ -154,14 +209,16 @@ class NullView(FinalView):
 
 
 def make_view(
-    mode: str, *, interval: float, terminal: bool, format: str = "text", source: str | None = None
+    mode: str, *, interval: float, terminal: bool, format: str = "text", source: str | None = None,
+    timings: str = "full",
 ) -> Any:
     """The view for display mode ``stream``, ``final`` or ``none``; ``format`` is how a notebook shows
-    the text (a terminal prints it as it is), ``source`` the handle that answers."""
+    the text (a terminal prints it as it is), ``source`` the handle that answers, ``timings`` what
+    follows the answer (:data:`TIMINGS`)."""
     if mode == "none":
         return NullView()
     if terminal:
-        return PrintView(stream=mode == "stream", source=source)
+        return PrintView(stream=mode == "stream", source=source, timings=timings)
     if mode == "final":
-        return FinalView(format=format, source=source)
-    return UpdatingView(interval, format=format, source=source)
+        return FinalView(format=format, source=source, timings=timings)
+    return UpdatingView(interval, format=format, source=source, timings=timings)

@@ -56,9 +56,8 @@ class HandleRegistry:
         self._shell = shell
         self._entries: dict[int, _Entry] = {}
         self._order = itertools.count()
-        # %llm serve: handle name -> (lease, running aner_nb.api.Server). Strong on purpose: a served
-        # lease stays alive until %llm stop, closing it, unload or exit stops its server.
-        self._servers: dict[str, tuple[Any, Any]] = {}
+        # Called with a handle about to be closed (None: all of them), e.g. ServerRegistry.release.
+        self._closing: list[Callable[[Any], Any]] = []
         self._recent: list[str] = []  # names given a lease (not a session), oldest first
 
     # -- tracking ---------------------------------------------------------------
@@ -148,38 +147,23 @@ class HandleRegistry:
         """Tracked sessions opened on ``handle`` by the magics."""
         return [obj for obj, e in self.live() if e.parent is not None and e.parent() is handle]
 
+    def on_close(self, hook: Callable[[Any], Any]) -> None:
+        """Call ``hook(handle)`` before a handle closes, ``hook(None)`` before :meth:`close_all`."""
+        self._closing.append(hook)
+
     def close(self, handle: Any) -> None:
-        """Close ``handle`` and the sessions opened on it (stopping its HTTP server first)."""
-        for name, (lease, _server) in list(self._servers.items()):
-            if lease is handle:
-                self.stop_servers(name)
+        """Close ``handle`` and the sessions opened on it (the ``on_close`` hooks first: its HTTP server)."""
+        for hook in self._closing:
+            hook(handle)
         for dep in self.dependents(handle):
             dep.close()
         handle.close()
 
-    # -- HTTP servers (%llm serve / %llm stop) ----------------------------------------------
-    def add_server(self, name: str, handle: Any, server: Any) -> None:
-        self._servers[name] = (handle, server)
-
-    def servers(self) -> dict[str, Any]:
-        """Running servers by the name of the handle they serve."""
-        return {name: server for name, (_, server) in self._servers.items()}
-
-    def stop_servers(self, name: str | None = None) -> list[str]:
-        """Stop the server of ``name`` (every server when None); returns the names stopped."""
-        names = [name] if name is not None else list(self._servers)
-        stopped = []
-        for n in names:
-            entry = self._servers.pop(n, None)
-            if entry is not None:
-                entry[1].stop()
-                stopped.append(n)
-        return stopped
-
     def close_all(self) -> int:
-        """Stop every server, then close every tracked handle (sessions first, then newest leases first);
-        returns how many handles were closed."""
-        self.stop_servers()
+        """Run the ``on_close`` hooks (every server stops), then close every tracked handle (sessions
+        first, then newest leases first); returns how many handles were closed."""
+        for hook in self._closing:
+            hook(None)
         self.sync()
         handles = [obj for obj, _ in self.live()]
         sessions = [h for h in handles if handle_kind(h) == "session"]

@@ -1,7 +1,7 @@
 """How the magics declare and parse their arguments, in the style of IPython's ``magic_arguments``.
 
 Each ``%llm`` subcommand and each cell magic keeps its grammar next to its
-handler (in :mod:`aner_nb.magics.magics`): ``@subcommand`` / ``@cell_grammar``
+handler (in the topic modules that :mod:`aner_nb.magics.magics` assembles): ``@subcommand`` / ``@cell_grammar``
 with the usage line, a one-line description and the Python equivalent, and
 one ``@argument`` per option, top to bottom in the order ``-h`` lists them.
 This module turns those declarations into argparse parsers that never print
@@ -201,11 +201,13 @@ def overview(grammars: Iterable[Grammar]) -> str:
     lines += [
         "Handles live in the notebook namespace under --as NAME and are tracked weakly: `del NAME`, "
         "overwriting NAME, %reset, a failed cell, %unload_ext aner_nb and kernel exit release their memory.",
-        "Without NAME, %%generate, %%chat and %llm info / kv / bench use the default handle (%llm use NAME) and "
-        "say which handle answered.",
+        "Without --as, %llm load and the builders name the handle after the model (or SRC_latency, SRC_batch...) "
+        "and print the name.",
+        "Without NAME, %%generate, %%chat and %llm info / kv / bench / chat use the default handle (%llm use NAME) "
+        "and say which handle answered.",
         "Cell prompts: {var} is a variable, {In[n]} / {Out[n]} cell n's input / output, {Err} the last exception "
-        "with its traceback; {{var}} is literal.",
-        "Settings: %config LLMMagics.stream_interval / max_tokens / display / format / default_handle / "
+        "with its traceback, {Err[n]} the one cell n raised; {{var}} is literal.",
+        "Settings: %config LLMMagics.stream_interval / max_tokens / display / format / timings / default_handle / "
         "default_to_latest / on_interrupt / release_failed_cells.",
         "Details of one subcommand: %llm help SUBCOMMAND (or %llm SUBCOMMAND -h).",
     ]

@@ -107,7 +107,7 @@ def handle_info(handle: Any, *, model: Any = None) -> Any:
     if not is_handle(handle):
         raise ConfigurationError(f"handle_info() needs a lease or session, got {type(handle).__name__}")
     info: dict[str, Any] = {"kind": handle_kind(handle), "state": "closed" if handle.closed else "open"}
-    for attr in ("name", "architecture", "device", "context", "fingerprint", "path", "chat_template", "max_sequences"):
+    for attr in ("name", "architecture", "device", "context", "fingerprint", "path", "chat_template"):
         value = _get(handle, attr)
         if value is None and model is not None:
             value = _get(model, attr)
@@ -115,29 +115,33 @@ def handle_info(handle: Any, *, model: Any = None) -> Any:
             info[attr] = value
     profile = _get(handle, "profile")
     if profile is not None:
+        if profile.batching is not None:
+            info["max_sequences"] = profile.batching.max_sequences
         info["profile"] = _profile_kind(handle)
-        optimizer = _get(profile, "optimizer")
-        if dataclasses.is_dataclass(optimizer):
-            for key, value in dataclasses.asdict(optimizer).items():
-                info[f"optimizer.{key}"] = value
-        idle = _get(profile, "max_idle_contexts")
-        if idle is not None:
-            info["max_idle_contexts"] = idle
+        info.update(_fields("optimizer", profile.optimizer))
+        info["max_idle_contexts"] = profile.max_idle_contexts
     if handle.kind == "session":
         info["turns"] = sum(1 for m in handle.messages if m["role"] == "user")
         info["cached_tokens"] = handle.cached_tokens
     info["supports"] = ", ".join(f for f in llm.FEATURES if handle.supports(f)) or "(closed)"
-    load_summary = _get(handle, "load_summary")
-    if callable(load_summary):
-        for key, value in load_summary().as_dict().items():
-            info[f"load.{key}"] = value
-    memory_summary = _get(handle, "memory_summary")
-    if callable(memory_summary) and not handle.closed:
-        for key, value in memory_summary().as_dict().items():
-            if key in ("resident", "bounds"):  # holdings: one readable line each, with its scope
-                value = "; ".join(f"{h['what']}: {h['count']}, {h['bytes']:,} B ({h['scope']})" for h in value)
-            info[f"memory.{key}"] = value
+    info.update(_fields("load", handle.load_summary()))
+    if not handle.closed:
+        info.update(_fields("memory", handle.memory_summary()))
     return pd.DataFrame({"value": pd.Series(info, dtype=object)})
+
+
+def _holdings_line(holdings: Iterable[Any]) -> str:
+    """Holdings (:class:`~aner_nb.llm.summary.Holding`): one readable line each, with its scope."""
+    return "; ".join(f"{h.what}: {h.count}, {h.bytes:,} B ({h.scope})" for h in holdings)
+
+
+def _fields(prefix: str, value: Any) -> dict[str, Any]:
+    """``prefix.field`` rows of a frozen dataclass's fields, read as attributes (holdings as one line)."""
+    rows: dict[str, Any] = {}
+    for f in dataclasses.fields(value):
+        item = getattr(value, f.name)
+        rows[f"{prefix}.{f.name}"] = _holdings_line(item) if f.name in ("resident", "bounds") else item
+    return rows
 
 
 def kv_table(

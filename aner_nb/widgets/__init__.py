@@ -13,19 +13,23 @@ package uses :mod:`aner_nb.llm`; the library never imports it.
 * :func:`kv_budget` KV bytes by formula vs context and KV type, against a memory budget;
 * :func:`batching_monitor` live counters of a batching lease (protocol in
   :mod:`aner_nb.widgets.batching`) and per-request latencies;
-* :func:`bench_plot` paired benchmark medians with min/max whiskers.
+* :func:`bench_plot` paired benchmark medians with min/max whiskers;
+* :func:`chat_box` a conversation on a session: transcript, input, Send and Stop.
 """
 
 from __future__ import annotations
 
 from .answer import FORMATS as ANSWER_FORMATS, answer_html
-from .batching import STATS_FIELDS, BatchingMonitor, batching_monitor, latency_frame, read_stats
+from .batching import STATS_FIELDS, BatchingMonitor, MonitorSnapshot, batching_monitor, latency_frame, read_stats
 from .bench_plot import BenchPlot, bench_frame, bench_plot
+from .chat import ChatBox, chat_box
 from .kv_budget import DEFAULT_BUDGET_BYTES, KVBudget, KVFacts, kv_budget, kv_facts
-from .speculative import SpeculativePanel, speculative_panel, speculative_stats
+from .speculative import SpeculativePanel, SpeculativeStats, speculative_panel, speculative_stats
 from .timings import ResponsePanel, TimingsPanel, response_panel, segments_ns, timings_frame, timings_panel
 
 __all__ = [
+    "chat_box",
+    "ChatBox",
     "timings_panel",
     "timings_frame",
     "segments_ns",
@@ -36,6 +40,7 @@ __all__ = [
     "ANSWER_FORMATS",
     "speculative_panel",
     "speculative_stats",
+    "SpeculativeStats",
     "SpeculativePanel",
     "kv_budget",
     "kv_facts",
@@ -46,6 +51,7 @@ __all__ = [
     "BatchingMonitor",
     "latency_frame",
     "read_stats",
+    "MonitorSnapshot",
     "STATS_FIELDS",
     "bench_plot",
     "bench_frame",

@@ -12,11 +12,14 @@ dataclass or namedtuple) or a mapping, with integer fields
 
 and optionally ``max_sequences``, ``queue_capacity`` (8 by the contract),
 ``completed_requests`` (ints; ``-1`` = unknown) and ``closed`` (bool: the
-monitor stops polling once it is true). These names are not declared here:
-they are the ``monitor`` metadata of the fields of
-:class:`aner_nb.llm.scheduler.SchedulerStats`, and that class's own field
-names are accepted too (``STATS_ALIASES``: ``active``, ``waiting``,
-``steps``, ``queue_limit``, ``completed``). ``stats()`` must be callable from
+monitor stops polling once it is true). These names are the ``monitor``
+metadata of the fields of :class:`aner_nb.llm.scheduler.SchedulerStats`, and
+that class's own field names are accepted too (``STATS_ALIASES``:
+``active``, ``waiting``, ``steps``, ``queue_limit``, ``completed``). A batching
+lease's ``stats()`` is that class; a snapshot of another serving object is
+read once, on arrival, into a :class:`MonitorSnapshot` (whose fields are the
+protocol's names, checked against that metadata at import), and the monitor
+reads only its attributes from then on. ``stats()`` must be callable from
 any thread at any time, cheap (no engine call), and consistent: take the
 numbers together under the scheduler's own lock, never from a half-finished
 step. A closed lease should still answer (``closed=True``); if ``stats()``
@@ -45,13 +48,16 @@ alive; the refresher stops when the lease is collected or reports ``closed``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
-from ..llm.scheduler import stat_fields
+from ..llm.protocol import Lease
+from ..llm.scheduler_stats import SchedulerStats, stat_fields
 from ._static import StaticView, fmt_count, fmt_float, frame_html, html_table, measured
 from .timings import as_responses
 
@@ -59,6 +65,8 @@ __all__ = [
     "STATS_FIELDS",
     "OPTIONAL_STATS_FIELDS",
     "STATS_ALIASES",
+    "MonitorSnapshot",
+    "Serving",
     "read_stats",
     "latency_frame",
     "BatchingMonitor",
@@ -73,13 +81,46 @@ STATS_ALIASES = {f.metadata["monitor"]: (f.name,) for f in stat_fields("monitor"
 _QUEUE_CAPACITY = 8
 
 
-def read_stats(snapshot: Any) -> dict[str, Any]:
-    """The protocol fields of a snapshot as a plain dict (optional ints default to -1)."""
+@runtime_checkable
+class Serving(Protocol):
+    """What the monitor polls: ``stats()`` returning a snapshot (see the module docstring)."""
+
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class MonitorSnapshot:
+    """One snapshot as the monitor shows it: the protocol's fields (optional ints ``-1`` when unknown)."""
+
+    active_sequences: int
+    queue_length: int
+    scheduler_steps: int
+    decoded_tokens: int
+    max_sequences: int = -1
+    queue_capacity: int = -1
+    completed_requests: int = -1
+    closed: bool = False
+
+
+if tuple(f.name for f in dataclasses.fields(MonitorSnapshot)) != (*STATS_FIELDS, *OPTIONAL_STATS_FIELDS, "closed"):
+    raise ImportError("MonitorSnapshot's fields must be the monitor names of SchedulerStats' field metadata")
+
+
+def read_stats(snapshot: Any) -> MonitorSnapshot:
+    """A snapshot (a :class:`SchedulerStats`, another object with the protocol's attributes, or a mapping)
+    as a :class:`MonitorSnapshot`; the one place a snapshot's names are looked up."""
+    if isinstance(snapshot, MonitorSnapshot):
+        return snapshot
+    if isinstance(snapshot, SchedulerStats):  # the batching lease's own: every name is declared there
+        return MonitorSnapshot(
+            **{f.metadata["monitor"]: int(getattr(snapshot, f.name)) for f in stat_fields("monitor")},
+            closed=snapshot.closed,
+        )
 
     def get(name: str, default: Any) -> Any:
         if isinstance(snapshot, Mapping):
             return snapshot.get(name, default)
-        return getattr(snapshot, name, default)
+        return getattr(snapshot, name, default)  # another serving object's snapshot (a duck-typed protocol)
 
     missing = object()
 
@@ -103,7 +144,7 @@ def read_stats(snapshot: Any) -> dict[str, Any]:
         value = lookup(name)
         out[name] = -1 if value is missing or value is None else int(value)
     out["closed"] = bool(get("closed", False))
-    return out
+    return MonitorSnapshot(**out)
 
 
 def _latency_fields() -> list[Any]:
@@ -148,7 +189,12 @@ class BatchingMonitor(StaticView):
     """
 
     def __init__(self, serving: Any, *, interval: float = 0.25, history: int = 2000) -> None:
-        if not callable(getattr(serving, "stats", None)):
+        if isinstance(serving, Lease) and serving.kind != "throughput":
+            raise TypeError(
+                f"a {serving.kind} lease has no batching scheduler to monitor (its stats() refuses); "
+                "batching_monitor needs a batching lease: model.with_batching(n)"
+            )
+        if not isinstance(serving, Serving):
             raise TypeError(
                 f"{type(serving).__name__} has no stats() method; batching_monitor needs a serving object "
                 f"whose stats() returns {', '.join(STATS_FIELDS)} (see aner_nb.widgets.batching)"
@@ -165,10 +211,10 @@ class BatchingMonitor(StaticView):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._t0 = time.monotonic()
-        self._pushed: dict[str, Any] | None = None
-        self._stats: dict[str, Any] | None = None
+        self._pushed: MonitorSnapshot | None = None
+        self._stats: MonitorSnapshot | None = None
         self._error: str | None = None
-        self._history: deque[tuple[float, dict[str, Any]]] = deque(maxlen=history)
+        self._history: deque[tuple[float, MonitorSnapshot]] = deque(maxlen=history)
         self._responses: list[tuple[str, Any]] = []
 
     # -- protocol side (any thread) ----------------------------------------------------
@@ -234,7 +280,7 @@ class BatchingMonitor(StaticView):
                 break
 
     # -- refresh (refresher thread or kernel thread) ------------------------------------
-    def refresh(self) -> dict[str, Any] | None:
+    def refresh(self) -> MonitorSnapshot | None:
         """Poll now and update the view on the calling thread; returns the snapshot shown."""
         self._poll_and_apply()
         return self.stats
@@ -259,20 +305,20 @@ class BatchingMonitor(StaticView):
             self._stats = stats
             self._history.append((time.monotonic() - self._t0, stats))
             self._apply()
-        return not stats["closed"]
+        return not stats.closed
 
     @property
-    def stats(self) -> dict[str, Any] | None:
-        """The last snapshot shown (protocol fields as a dict), or None before the first poll."""
+    def stats(self) -> MonitorSnapshot | None:
+        """The last snapshot shown, or None before the first poll."""
         with self._lock:
-            return None if self._stats is None else dict(self._stats)
+            return self._stats
 
     def history_frame(self) -> Any:
         """Every snapshot shown so far, with seconds since the monitor was created."""
         import pandas as pd
 
         with self._lock:
-            rows = [{"seconds": t, **s} for t, s in self._history]
+            rows = [{"seconds": t, **dataclasses.asdict(s)} for t, s in self._history]
         frame = pd.DataFrame(rows, columns=["seconds", *STATS_FIELDS, *OPTIONAL_STATS_FIELDS, "closed"])
         ints = [*STATS_FIELDS, *OPTIONAL_STATS_FIELDS]
         frame[ints] = frame[ints].astype("Int64").mask(frame[ints] < 0)
@@ -284,9 +330,9 @@ class BatchingMonitor(StaticView):
             if len(self._history) < 2:
                 return None
             (t0, a), (t1, b) = self._history[0], self._history[-1]
-        if t1 <= t0 or not (measured(a["decoded_tokens"]) and measured(b["decoded_tokens"])):
+        if t1 <= t0 or not (measured(a.decoded_tokens) and measured(b.decoded_tokens)):
             return None
-        return (b["decoded_tokens"] - a["decoded_tokens"]) / (t1 - t0)
+        return (b.decoded_tokens - a.decoded_tokens) / (t1 - t0)
 
     # -- per-request latencies -------------------------------------------------------------
     def record(self, responses: Any, labels: Sequence[str] | None = None) -> Any:
@@ -324,20 +370,20 @@ class BatchingMonitor(StaticView):
         s = self._stats
         if s is None:
             return [("status", self._error or "waiting for the first snapshot")]
-        active = fmt_count(s["active_sequences"])
-        if measured(s["max_sequences"]):
-            active += f" / {s['max_sequences']}"
-        queue = fmt_count(s["queue_length"])
-        queue += f" / {s['queue_capacity'] if measured(s['queue_capacity']) else _QUEUE_CAPACITY}"
+        active = fmt_count(s.active_sequences)
+        if measured(s.max_sequences):
+            active += f" / {s.max_sequences}"
+        queue = fmt_count(s.queue_length)
+        queue += f" / {s.queue_capacity if measured(s.queue_capacity) else _QUEUE_CAPACITY}"
         rows = [
             ("active sequences", active),
             ("queue length", queue),
-            ("scheduler steps", fmt_count(s["scheduler_steps"])),
-            ("decoded tokens", fmt_count(s["decoded_tokens"])),
-            ("completed requests", fmt_count(s["completed_requests"])),
+            ("scheduler steps", fmt_count(s.scheduler_steps)),
+            ("decoded tokens", fmt_count(s.decoded_tokens)),
+            ("completed requests", fmt_count(s.completed_requests)),
             ("decoded tokens/s (observed)", fmt_float(self.decode_rate(), 1)),
         ]
-        status = "closed" if s["closed"] else ("polling" if self.running else "stopped")
+        status = "closed" if s.closed else ("polling" if self.running else "stopped")
         rows.append(("status", self._error or status))
         return rows
 
@@ -384,13 +430,13 @@ class BatchingMonitor(StaticView):
             return
         ws, s = self._w, self._stats
         if s is not None:
-            active, queue = max(s["active_sequences"], 0), max(s["queue_length"], 0)
-            ws["active"].max = max(s["max_sequences"], active, 1)
+            active, queue = max(s.active_sequences, 0), max(s.queue_length, 0)
+            ws["active"].max = max(s.max_sequences, active, 1)
             ws["active"].value = active
-            ws["queue"].max = max(s["queue_capacity"] if measured(s["queue_capacity"]) else _QUEUE_CAPACITY, queue, 1)
+            ws["queue"].max = max(s.queue_capacity if measured(s.queue_capacity) else _QUEUE_CAPACITY, queue, 1)
             ws["queue"].value = queue
-            ws["steps"].value = fmt_count(s["scheduler_steps"])
-            ws["tokens"].value = fmt_count(s["decoded_tokens"])
+            ws["steps"].value = fmt_count(s.scheduler_steps)
+            ws["tokens"].value = fmt_count(s.decoded_tokens)
         ws["status"].value = html_table(self._status_rows())
         ws["latency"].value = self._latency_html()
 
@@ -400,8 +446,8 @@ class BatchingMonitor(StaticView):
         if s is None:
             return f"<BatchingMonitor {state}, no snapshot yet>"
         return (
-            f"<BatchingMonitor {state} active={s['active_sequences']} queue={s['queue_length']} "
-            f"steps={s['scheduler_steps']} decoded={s['decoded_tokens']}>"
+            f"<BatchingMonitor {state} active={s.active_sequences} queue={s.queue_length} "
+            f"steps={s.scheduler_steps} decoded={s.decoded_tokens}>"
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from ..llm.artifact import ModelFacts
 from ..llm.errors import ConfigurationError
 from ..llm.memory import KV_CACHE_TYPES, KV_CELL_PADDING, kv_cells, kv_estimate, kv_row_bytes
+from ..llm.protocol import Lease
 from ..llm.summary import KV_EXCLUDES
 from ._static import StaticView, axis_bytes, figure_png, fmt_bytes, fmt_count, frame_html, html_table, new_figure, png_img_tag
 
@@ -95,8 +96,8 @@ def kv_facts(source: Any) -> KVFacts:
             context=_int("context", m.get("context", min(context_length or 4096, 4096))),
             kv_cache_type=str(m.get("kv_cache_type", "f16")),
         )
-    if callable(getattr(source, "memory_summary", None)):
-        facts = source.facts  # a lease
+    if isinstance(source, Lease):
+        facts = source.facts
         summary = source.memory_summary()
         weights = summary.weights_bytes if summary.weights_bytes >= 0 else facts.tensor_bytes
         return _from_model_facts(facts, weights_bytes=weights, context=summary.context, kv_cache_type=summary.kv_cache_type)

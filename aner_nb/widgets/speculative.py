@@ -13,50 +13,89 @@ missing). Derived numbers:
 Given a pair (speculation off, on) the panel also compares speed and shows
 whether the two outputs are identical (``output_hash``), which the
 prompt-lookup contract requires for greedy decoding.
+
+The numbers of one response are a :class:`SpeculativeStats` (typed fields,
+``None`` where not measured); each field's metadata holds its display label
+and column type, applied only at the edge: :meth:`SpeculativeStats.labelled`
+and :func:`speculative_stats` (a dict keyed by the labels, for DataFrames)
+and the panel's tables.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..llm.response import Response
 from ._static import MISSING, fmt_count, fmt_float, frame_html, html_table, measured
 from .timings import ResponsesView, as_responses
 
-__all__ = ["speculative_stats", "SpeculativePanel", "speculative_panel"]
+__all__ = ["SpeculativeStats", "speculative_stats", "SpeculativePanel", "speculative_panel"]
 
 
 def _ratio(num: Any, den: Any) -> float | None:
     return num / den if measured(num) and measured(den) and den > 0 else None
 
 
+def _shown(label: str, dtype: str | None) -> Any:
+    """A :class:`SpeculativeStats` field: its display label and its frame column type (None: as is)."""
+    return dataclasses.field(metadata={"label": label, "dtype": dtype})
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """The speculation counters and derived rates of one response; ``None`` where not measured."""
+
+    speculative_tokens: int | None = _shown("speculative tokens", "Int64")
+    proposed: int | None = _shown("proposed", "Int64")
+    accepted: int | None = _shown("accepted", "Int64")
+    verification_steps: int | None = _shown("verification steps", "Int64")
+    acceptance_rate: float | None = _shown("acceptance rate", "Float64")
+    accepted_per_step: float | None = _shown("accepted per step", "Float64")
+    generated_tokens: int | None = _shown("generated tokens", "Int64")
+    decode_calls: int | None = _shown("decode calls", "Int64")
+    tokens_per_forward_call: float | None = _shown("tokens per forward call", "Float64")
+    tokens_per_second: float | None = _shown("tokens/s", "Float64")
+    output_hash: str = _shown("output_hash", None)
+
+    @classmethod
+    def of(cls, response: Response) -> "SpeculativeStats":
+        t = response.timings
+
+        def get(v: int) -> int | None:
+            return v if measured(v) else None
+
+        proposed, accepted = get(t.speculative_proposed_tokens), get(t.speculative_accepted_tokens)
+        steps, calls, generated = get(t.speculative_verification_steps), get(t.decode_calls), get(t.generated_tokens)
+        tps = response.tokens_per_second()
+        return cls(
+            speculative_tokens=get(t.speculative_tokens),
+            proposed=proposed,
+            accepted=accepted,
+            verification_steps=steps,
+            acceptance_rate=_ratio(accepted, proposed),
+            accepted_per_step=_ratio(accepted, steps),
+            generated_tokens=generated,
+            decode_calls=calls,
+            tokens_per_forward_call=_ratio(None if generated is None else max(generated - 1, 0), calls),
+            tokens_per_second=tps if tps >= 0 else None,
+            output_hash=response.output_hash,
+        )
+
+    def labelled(self) -> dict[str, Any]:
+        """The display edge: every field keyed by its label, in declaration order."""
+        return {f.metadata["label"]: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 def speculative_stats(response: Response) -> dict[str, Any]:
-    """The counters and derived rates of one response; ``None`` where not measured."""
-    t = response.timings
-
-    def get(v: int) -> int | None:
-        return v if measured(v) else None
-
-    proposed, accepted = get(t.speculative_proposed_tokens), get(t.speculative_accepted_tokens)
-    steps, calls, generated = get(t.speculative_verification_steps), get(t.decode_calls), get(t.generated_tokens)
-    tps = response.tokens_per_second()
-    return {
-        "speculative tokens": get(t.speculative_tokens),
-        "proposed": proposed,
-        "accepted": accepted,
-        "verification steps": steps,
-        "acceptance rate": _ratio(accepted, proposed),
-        "accepted per step": _ratio(accepted, steps),
-        "generated tokens": generated,
-        "decode calls": calls,
-        "tokens per forward call": _ratio(None if generated is None else max(generated - 1, 0), calls),
-        "tokens/s": tps if tps >= 0 else None,
-        "output_hash": response.output_hash,
-    }
+    """The counters and derived rates of one response keyed by their display labels (``None`` where not
+    measured): ``SpeculativeStats.of(response).labelled()``, for DataFrames and tables."""
+    return SpeculativeStats.of(response).labelled()
 
 
-_INTS = ("speculative tokens", "proposed", "accepted", "verification steps", "generated tokens", "decode calls")
-_FLOATS = ("acceptance rate", "accepted per step", "tokens per forward call", "tokens/s")
+_DTYPES = {f.metadata["label"]: f.metadata["dtype"] for f in dataclasses.fields(SpeculativeStats)}
+_INTS = tuple(label for label, dtype in _DTYPES.items() if dtype == "Int64")
 
 
 def _default_label(i: int, r: Response) -> str:
@@ -88,12 +127,11 @@ class SpeculativePanel(ResponsesView):
         """One row per response: counters (Int64) and rates (Float64), NA where not measured."""
         import pandas as pd
 
-        rows = [speculative_stats(r) for _, r in self._pairs]
-        frame = pd.DataFrame(rows, index=pd.Index(self.labels, name="response"))
-        for c in _INTS:
-            frame[c] = pd.array([row[c] for row in rows], dtype="Int64")
-        for c in _FLOATS:
-            frame[c] = pd.array([row[c] for row in rows], dtype="Float64")
+        stats = [SpeculativeStats.of(r) for _, r in self._pairs]
+        frame = pd.DataFrame([s.labelled() for s in stats], index=pd.Index(self.labels, name="response"))
+        for f in dataclasses.fields(SpeculativeStats):
+            if f.metadata["dtype"] is not None:
+                frame[f.metadata["label"]] = pd.array([getattr(s, f.name) for s in stats], dtype=f.metadata["dtype"])
         return frame
 
     def comparison_frame(self) -> Any:
@@ -155,7 +193,7 @@ class SpeculativePanel(ResponsesView):
 
         bars = []
         for label, r in self._pairs:
-            rate = speculative_stats(r)["acceptance rate"]
+            rate = SpeculativeStats.of(r).acceptance_rate
             bars.append(
                 w.FloatProgress(
                     value=rate or 0.0,

@@ -19,6 +19,7 @@ from dataclasses import Field
 from typing import Any, Mapping, Sequence
 
 from ..llm.response import Response
+from ..llm.stream import Stream
 from ..llm.timings import timing_fields
 from ._static import StaticView, figure_png, fmt_count, fmt_ms, frame_html, measured, new_figure
 from .answer import answer_html, check_format
@@ -70,7 +71,7 @@ def as_responses(items: Any, labels: Sequence[str] | None = None) -> list[tuple[
     if isinstance(items, Mapping):
         pairs = [(str(k), v) for k, v in items.items()]
     else:
-        seq = [items] if isinstance(items, Response) or hasattr(items, "response") else list(items)
+        seq = [items] if isinstance(items, (Response, Stream)) else list(items)
         pairs = [(f"#{i}", r) for i, r in enumerate(seq)]
     if labels is not None:
         labels = [str(x) for x in labels]
@@ -80,7 +81,7 @@ def as_responses(items: Any, labels: Sequence[str] | None = None) -> list[tuple[
     out = []
     for label, r in pairs:
         if not isinstance(r, Response):
-            final = getattr(r, "response", None)  # a Stream exposes its final Response
+            final = r.response if isinstance(r, Stream) else None  # a finished Stream's final Response
             if not isinstance(final, Response):
                 raise TypeError(f"expected a Response (or a finished Stream), got {type(r).__name__}")
             r = final
