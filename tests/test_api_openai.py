@@ -81,7 +81,7 @@ def test_raw_completion_uses_no_chat_template(url, base):  # noqa: F811
 
 @pytest.mark.parametrize("body, param, code", [
     ({"prompt": ["a", "b"]}, "prompt", "unsupported_parameter"),
-    ({"prompt": "x", "echo": True}, "echo", "unsupported_parameter"),
+    ({"prompt": "x", "echo": True, "logprobs": 1, "stream": True}, "echo", "unsupported_parameter"),
     ({"prompt": "x", "best_of": 3}, "best_of", "unsupported_parameter"),
     ({"prompt": "x", "typical_p": 0.3}, "typical_p", "unknown_parameter"),
 ])

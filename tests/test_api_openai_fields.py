@@ -49,11 +49,9 @@ def test_openai_sdk_fields_are_all_classified():
 
 
 @pytest.mark.parametrize("given, param, code", [
-    ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-    ({"n": 2}, "n", "unsupported_parameter"),
-    ({"n": True}, "n", "unsupported_parameter"),  # true is not 1
-    ({"logprobs": True}, "logprobs", "unsupported_parameter"),
-    ({"logit_bias": {"5": 10}}, "logit_bias", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "unsupported_parameter"),
+    ({"function_call": True}, "function_call", "unsupported_parameter"),  # true is not "none"
     ({"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
     ({"typical_p": 0.5}, "typical_p", "unknown_parameter"),
 ])
@@ -65,9 +63,10 @@ def test_refusals_name_the_field(given, param, code):
 
 
 def test_values_that_ask_for_nothing_missing_are_served():
-    refuse_unsupported({"n": 1, "logprobs": False, "top_logprobs": 0, "modalities": ["text"], "tools": None,
+    refuse_unsupported({"n": 2, "logprobs": True, "top_logprobs": 3, "modalities": ["text"], "tools": None,
                         "tool_choice": "none", "logit_bias": {}, "user": "u", "store": True}, CHAT_FIELDS, "chat")
-    refuse_unsupported({"echo": False, "best_of": 1, "suffix": None, "n": 1}, COMPLETION_FIELDS, "completions")
+    refuse_unsupported({"echo": True, "best_of": 1, "suffix": None, "n": 3, "logprobs": 2}, COMPLETION_FIELDS,
+                       "completions")
 
 
 def test_library_params_are_spelt_the_routes_way():

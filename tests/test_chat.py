@@ -477,9 +477,9 @@ def test_validate_messages_normalizes():
         ([{"role": "user", "content": "x"}, "hi"], {}, r"messages\[1\] must be a mapping"),
         ([{"content": "x"}], {}, r"messages\[0\]\.role is missing"),
         (
-            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "tool", "content": "c"}],
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "function", "content": "c"}],
             {},
-            r"^messages\[2\]\.role must be one of system, user, assistant, got 'tool'$",
+            r"^messages\[2\]\.role must be one of system, user, assistant, tool, got 'function'$",
         ),
         ([{"role": None, "content": "x"}], {}, r"messages\[0\]\.role must be one of .* got None"),
         ([{"role": "user"}], {}, r"messages\[0\]\.content is missing"),
@@ -495,7 +495,7 @@ def test_validate_messages_errors_name_index_and_field(messages, kwargs, match):
 def test_render_and_format_prompt_validate_input():
     t = resolve_template("chatml", None)
     with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.role"):
-        t.render([{"role": "tool", "content": "x"}])
+        t.render([{"role": "function", "content": "x"}])
     with pytest.raises(InvalidRequestError, match="prompt must be a str"):
         format_prompt(t, None)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="system must be a str"):

@@ -225,7 +225,7 @@ def test_long_prompt_over_context_is_rejected_not_truncated(model):
 
 def test_bad_messages_name_the_field(model):
     with pytest.raises(errors.InvalidRequestError, match=r"messages\[1\]\.role"):
-        model.chat([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+        model.chat([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}])
     with pytest.raises(errors.InvalidRequestError, match="prompt must be a string"):
         model.generate(["not", "a", "string"])
 

@@ -116,7 +116,9 @@ def test_the_derived_artefacts_follow_the_declaration_order():
     assert tuple(f.name for f in dataclasses.fields(llm.RequestSettings)) == REGISTRY.names == requests.REQUEST_OPTIONS
     assert set(requests.RequestOptions.__annotations__) == set(REGISTRY.names)
     assert requests.SAMPLING_OPTIONS == tuple(n for n in REGISTRY.names
-                                              if n not in ("max_tokens", "seed", "stop", "allow_special_tokens", "max_tokens_fit"))
+                                              if n not in ("max_tokens", "seed", "stop", "allow_special_tokens", "max_tokens_fit",
+                                                           "logprobs", "top_logprobs", "prompt_logprobs",
+                                                           "tools", "parallel_tool_calls", "chat_template_kwargs"))
     assert renames() == {"json_schema": "response_format"}
     defaults = llm.RequestSettings()
     assert {n: getattr(defaults, n) for n in REGISTRY.names} == REGISTRY.defaults()

@@ -9,7 +9,10 @@ Each POST route parses its body (``request_bodies``) into a :class:`Call`:
   defaults to 1, an omitted ``seed`` is drawn fresh (and returned, so the
   answer can be reproduced), ``max_completion_tokens`` aliases
   ``max_tokens``, ``response_format`` becomes the library's ``json_schema``,
-  and ``/v1/completions`` sends its prompt as raw text (no chat template).
+  and ``/v1/completions`` sends its prompt as raw text (no chat template);
+  its legacy ``logprobs: N`` becomes ``logprobs=True, top_logprobs=N`` and,
+  with ``echo``, ``prompt_logprobs=True``. ``n`` and ``echo`` are the
+  call's own (``Call.choice`` is choice ``i``'s call, seed ``seed + i``).
 
 Which field carries which option, and what an omitted field means, come
 from the options' declarations (:mod:`aner_nb.llm.options`); the options a
@@ -22,12 +25,13 @@ routes, from the declaration's mapped fields).
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 from pydantic import BaseModel
 
-from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, LIBRARY, OUTPUT_LIMIT, RANDOM, REGISTRY, Option, Registry
+from ..llm.options import (CHAT_ROUTE, COMPLETIONS_ROUTE, LIBRARY, MAX_SEED, OUTPUT_LIMIT, RANDOM, REGISTRY, Option,
+                           Registry)
 from ..llm.requests import request_settings
 from .errors import ApiError
 from .openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refuse_unsupported
@@ -41,7 +45,7 @@ COMPLETION_MAX_TOKENS = REGISTRY["max_tokens"].fields_on(COMPLETIONS_ROUTE)[0].d
 
 def renames(registry: Registry = REGISTRY) -> dict[str, str]:
     """Library option -> the OpenAI field it is mapped from (``json_schema`` -> ``response_format``)."""
-    return {o.name: f.name for o in registry for f in o.openai if f.mapped}
+    return {o.name: f.name for o in registry for f in o.openai if f.mapped and f.name != o.name}
 
 
 _OPENAI_RENAMES = renames()
@@ -58,10 +62,19 @@ class Call:
     route: str  # the route's path (the metrics' route label)
     raw: bool = False  # raw completion: no chat template
     renames: Mapping[str, str] = field(default_factory=dict)  # library option -> route field
+    n: int = 1  # choices (OpenAI's ``n``); choice i runs with seed + i
+    echo: bool = False  # /v1/completions: the prompt goes before the answer's text
 
     @property
     def seed(self) -> int:
         return self.options.get("seed", 0)
+
+    def choice(self, index: int) -> "Call":
+        """The call of choice ``index``: the same request with seed ``seed + index`` (mod 2**32), one choice."""
+        if index == 0 and self.n == 1:
+            return self
+        options = {**self.options, "seed": (self.seed + index) % (MAX_SEED + 1)}
+        return replace(self, options=options, n=1)
 
     def start(self, model: Any) -> Any:
         """The library stream of this request on ``model``: its options checked once, as RequestSettings."""
@@ -122,7 +135,20 @@ def openai_options(body: Any, route: str, cap: int, registry: Registry = REGISTR
         if value is not None:
             options[option.name] = value
     options.update(response_format_options(body.response_format))
+    if route == COMPLETIONS_ROUTE:
+        options.update(legacy_logprobs_options(body))
     return options
+
+
+def legacy_logprobs_options(body: Any) -> dict[str, Any]:
+    """``/v1/completions``' ``logprobs: N`` (N alternatives) and ``echo``: the library's logprobs options."""
+    n = getattr(body, "logprobs", None)
+    if n is None:
+        return {}
+    out: dict[str, Any] = {"logprobs": True, "top_logprobs": n}
+    if getattr(body, "echo", None):
+        out["prompt_logprobs"] = True  # echo with logprobs: the prompt's tokens are scored too
+    return out
 
 
 def chat_call(body: BaseModel, max_tokens_cap: int) -> Call:
@@ -131,7 +157,7 @@ def chat_call(body: BaseModel, max_tokens_cap: int) -> Call:
     b: Any = body
     options = openai_options(b, CHAT_ROUTE, max_tokens_cap)
     return Call([m.plain() for m in b.messages], options, frozenset(type(body).model_fields), "messages",
-                "/v1/chat/completions", renames=_OPENAI_RENAMES)
+                "/v1/chat/completions", renames=_OPENAI_RENAMES, n=b.n or 1)
 
 
 def completion_call(body: BaseModel, max_tokens_cap: int) -> Call:
@@ -145,5 +171,9 @@ def completion_call(body: BaseModel, max_tokens_cap: int) -> Call:
                            "prompt per request (a string, or a list of one string)",
                            param="prompt", code="unsupported_parameter")
         prompt = prompt[0]
+    if b.stream and b.echo and b.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (prompt scoring) is answered whole; send it with stream: false",
+                       param="echo", code="unsupported_parameter")
     return Call(prompt, openai_options(b, COMPLETIONS_ROUTE, max_tokens_cap), frozenset(type(body).model_fields), "prompt",
-                "/v1/completions", raw=True, renames=_OPENAI_RENAMES)
+                "/v1/completions", raw=True, renames={**_OPENAI_RENAMES, "prompt_logprobs": "echo"}, n=b.n or 1,
+                echo=bool(b.echo))

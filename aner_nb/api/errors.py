@@ -104,6 +104,9 @@ def from_library(exc: BaseException, *, fields: Collection[str], prompt_field: s
     if isinstance(exc, (llm_errors.InvalidRequestError, llm_errors.ChatTemplateError)):
         return ApiError(400, message, param=request_param(exc.param, fields, prompt_field, renames),
                         code="invalid_value")
+    if isinstance(exc, llm_errors.UnsupportedFeatureError) and exc.param:  # a request option this lease lacks
+        return ApiError(400, message, param=request_param(exc.param, fields, prompt_field, renames),
+                        code="unsupported_parameter")
     if isinstance(exc, llm_errors.BusyError):
         return busy(message, retry_after_s)
     if isinstance(exc, llm_errors.ClosedError):

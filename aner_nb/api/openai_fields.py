@@ -21,7 +21,7 @@ the rows here are the rest: the prompt, ``model``, streaming, and every
 field that is rejected or ignored. Only fields that cannot change the
 generated output are *ignored* (``user``, ``metadata``, ``store``...). A
 rejected field is still served when its value asks for nothing this service
-lacks (``n: 1``, ``logprobs: false``, ``echo: false``) or is ``null``.
+lacks (``best_of: 1``, ``function_call: "none"``) or is ``null``.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, EXTENSION, HONOURED, OPENAI_ROUTES, REGISTRY, Registry
+from ..llm.embeddings import MAX_INPUTS
 from .errors import ApiError
 
 __all__ = [
     "HONOURED", "EXTENSION", "IGNORED", "REJECTED", "FieldPolicy", "CHAT_FIELDS", "COMPLETION_FIELDS",
-    "route_fields", "refuse_unsupported", "field_table", "render_doc",
+    "route_fields", "refuse_unsupported", "field_table", "render_doc", "MAX_CHOICES",
+    "EMBEDDINGS_ROUTE", "EMBEDDING_FIELDS", "embedding_field_table", "render_embeddings_doc",
 ]
 
 IGNORED = "ignored"  # accepted; cannot change the output
@@ -64,8 +66,12 @@ class FieldPolicy:
 
 
 _MODEL = FieldPolicy("model", HONOURED, "a served model id (see `/v1/models`); with one served model any value")
-_N = FieldPolicy("n", REJECTED, "one choice per request; `1` is served", served=(1,))
-_LOGIT_BIAS = FieldPolicy("logit_bias", REJECTED, "token biases are not applied; `{}` is served", served=({},))
+MAX_CHOICES = 16  # the most choices (``n``) one request may ask for
+_N = FieldPolicy("n", HONOURED, f"1..{MAX_CHOICES} choices; generated concurrently on a batching lease (each takes "
+                 "a slot of its capacity), one after another otherwise; choice `i` samples with seed `seed + i` (mod "
+                 "2**32), so seeded choices are reproducible one by one and greedy choices are identical; `usage` "
+                 "counts the prompt once and every choice's completion tokens; streamed chunks carry their "
+                 "choice's `index`")
 _USER = FieldPolicy("user", IGNORED, "an end-user id for OpenAI's abuse monitoring")
 _STREAM_OPTIONS = ("`include_usage: true` adds the usage chunk; `include_obfuscation` is accepted and ignored "
                    "(no padding is added)")
@@ -73,24 +79,21 @@ _STREAM_OPTIONS = ("`include_usage: true` adds the usage chunk; `include_obfusca
 # The fields that carry no library option, per route (option fields are added from the registry).
 _OTHER_FIELDS: dict[str, tuple[FieldPolicy, ...]] = {
     CHAT_ROUTE: (
-        FieldPolicy("messages", HONOURED, "`system`, `developer` (as system), `user`, `assistant`; content a "
-                    "string or text parts; rendered with the model's chat template"),
+        FieldPolicy("messages", HONOURED, "`system`, `developer` (as system), `user`, `assistant` (with "
+                    "`tool_calls`, content then may be null), `tool` (with `tool_call_id`); content a string or text "
+                    "parts; rendered with the model's chat template; message and tool-result text never becomes "
+                    "control tokens"),
         _MODEL,
         FieldPolicy("stream", HONOURED, "server-sent events (see Streaming)"),
         FieldPolicy("stream_options", HONOURED, _STREAM_OPTIONS),
         _N,
-        FieldPolicy("logprobs", REJECTED, "log probabilities are not returned; `false` is served", served=(False,)),
-        FieldPolicy("top_logprobs", REJECTED, "log probabilities are not returned; `0` is served", served=(0,)),
         FieldPolicy("modalities", REJECTED, "text only; `[\"text\"]` is served", served=(["text"],)),
         FieldPolicy("audio", REJECTED, "no audio output"),
-        FieldPolicy("tools", REJECTED, "no tool calling"),
-        FieldPolicy("tool_choice", REJECTED, "no tool calling; `\"none\"` is served", served=("none",)),
-        FieldPolicy("parallel_tool_calls", REJECTED, "no tool calling"),
         FieldPolicy("functions", REJECTED, "no function calling (deprecated by OpenAI too)"),
         FieldPolicy("function_call", REJECTED, "no function calling; `\"none\"` is served", served=("none",)),
-        _LOGIT_BIAS,
         FieldPolicy("prediction", REJECTED, "no predicted outputs"),
-        FieldPolicy("reasoning_effort", REJECTED, "the served models have no reasoning mode"),
+        FieldPolicy("reasoning_effort", REJECTED, "no effort levels; a reasoning model's thinking is switched by "
+                    "its template's variables (`chat_template_kwargs`, e.g. `enable_thinking`)"),
         FieldPolicy("verbosity", REJECTED, "no verbosity control"),
         FieldPolicy("web_search_options", REJECTED, "no web search"),
         FieldPolicy("moderation", REJECTED, "no moderation"),
@@ -109,12 +112,12 @@ _OTHER_FIELDS: dict[str, tuple[FieldPolicy, ...]] = {
         _MODEL,
         FieldPolicy("stream", HONOURED, "server-sent `text_completion` chunks (see Streaming)"),
         FieldPolicy("stream_options", HONOURED, _STREAM_OPTIONS),
-        FieldPolicy("echo", REJECTED, "the prompt is not echoed; `false` is served", served=(False,)),
+        FieldPolicy("echo", HONOURED, "`true` puts the prompt before the answer's text; with `logprobs` also "
+                    "the prompt tokens' logprobs (the first one `null`), so `max_tokens: 0` scores a text "
+                    "(lm-eval's loglikelihood); prompt logprobs are not served by a batching lease (400 `param` `echo`)"),
         _N,
         FieldPolicy("best_of", REJECTED, "one candidate per request; `1` is served", served=(1,)),
-        FieldPolicy("logprobs", REJECTED, "log probabilities are not returned"),
         FieldPolicy("suffix", REJECTED, "no insertion (fill-in-the-middle)"),
-        _LOGIT_BIAS,
         _USER,
     ),
 }
@@ -136,6 +139,19 @@ def route_fields(route: str, registry: Registry = REGISTRY) -> dict[str, FieldPo
 
 CHAT_FIELDS: dict[str, FieldPolicy] = route_fields(CHAT_ROUTE)
 COMPLETION_FIELDS: dict[str, FieldPolicy] = route_fields(COMPLETIONS_ROUTE)
+
+# /v1/embeddings carries no library request option, so its table is declared whole here (``api.embeddings``
+# serves it; its request model has exactly these fields).
+EMBEDDINGS_ROUTE = "/v1/embeddings"
+EMBEDDING_FIELDS: dict[str, FieldPolicy] = {p.name: p for p in (
+    FieldPolicy("input", HONOURED, "a string, a list of strings, a list of token ids or a list of such lists "
+                f"(at most {MAX_INPUTS}); each input must fit the model's context (nothing is truncated)"),
+    _MODEL,
+    FieldPolicy("encoding_format", HONOURED, "`float` (default) or `base64` (little-endian float32, what the "
+                "`openai` SDK asks for)"),
+    FieldPolicy("dimensions", REJECTED, "vectors are not shortened; the model's own width (`n_embd`) is served"),
+    _USER,
+)}
 
 
 def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy], route: str) -> None:
@@ -180,6 +196,22 @@ def render_doc(text: str, registry: Registry = REGISTRY, routes: Sequence[str] =
     return text
 
 
+def embedding_field_table() -> str:
+    """The markdown table of ``/v1/embeddings``' fields."""
+    lines = ["| field | handling | how |", "|---|---|---|"]
+    lines += [f"| `{p.name}` | {p.handling} | {p.note} |" for p in EMBEDDING_FIELDS.values()]
+    return "\n".join(lines)
+
+
+def render_embeddings_doc(text: str) -> str:
+    """``text`` (docs/openai.md) with the ``/v1/embeddings`` table region replaced by :func:`embedding_field_table`."""
+    begin = _BEGIN.format(route=EMBEDDINGS_ROUTE)
+    pattern = re.compile(re.escape(begin) + r"\n.*?" + re.escape(_END), re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no generated-table region for {EMBEDDINGS_ROUTE} (a line {begin!r} ... {_END!r})")
+    return pattern.sub(lambda _: f"{begin}\n{embedding_field_table()}\n{_END}", text, count=1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m aner_nb.api.openai_fields",
                                 description="Regenerate (or check) the field tables of docs/openai.md.")
@@ -190,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     path = Path(args.doc)
     old = path.read_text(encoding="utf-8")
-    new = render_doc(old)
+    new = render_embeddings_doc(render_doc(old))
     if args.check:
         if new != old:
             print(f"{path}: the field tables are stale; run python -m aner_nb.api.openai_fields --write {path}",

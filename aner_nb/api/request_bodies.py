@@ -29,8 +29,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, REGISTRY, Option, OpenAIField, Registry
-from .openai_fields import IGNORED, FieldPolicy, route_fields
+from ..llm.options import CHAT_ROUTE, COMPLETIONS_ROUTE, MAX_TOP_LOGPROBS, REGISTRY, Option, OpenAIField, Registry
+from .openai_fields import IGNORED, MAX_CHOICES, FieldPolicy, route_fields
 
 __all__ = ["RequestModels", "request_models", "option_fields", "SEED_ROUTE", "Message", "StreamOptions",
            "ResponseFormat", "JsonSchemaFormat"]
@@ -53,15 +53,42 @@ class TextPart(_Lenient):
     text: str
 
 
+class CalledFunction(_Lenient):
+    name: str = Field(max_length=64)
+    arguments: str = Field(description="The arguments the model gave, a JSON object as a string.")
+
+
+class MessageToolCall(_Lenient):
+    """A call an earlier assistant message made (sent back with its result)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(_Lenient):
-    """An OpenAI chat message; ``developer`` is served as ``system``."""
+    """An OpenAI chat message; ``developer`` is served as ``system``. An assistant message may carry
+    ``tool_calls`` (its content then may be null); a ``tool`` message answers one by ``tool_call_id``."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]]  # required; null only with tool_calls (the library checks)
+    tool_calls: Optional[list[MessageToolCall]] = Field(None, max_length=64)
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+    name: Optional[str] = Field(None, max_length=64)
 
-    def plain(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    def plain(self) -> dict[str, Any]:
+        """The library's message dict (the library checks tool calls and ids, naming the field)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.role == "tool":
+            out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
 
 
 class StreamOptions(_Lenient):
@@ -92,7 +119,11 @@ class JsonSchemaFormat(_Closed):
 ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
 
 # The pydantic types of the OpenAI fields that the HTTP layer maps to an option (``calls``).
-MAPPED_TYPES: dict[str, Any] = {"response_format": Optional[ResponseFormat]}
+MAPPED_TYPES: dict[str, Any] = {
+    "response_format": Optional[ResponseFormat],
+    # /v1/completions' legacy logprobs: how many alternatives (0: the chosen tokens' logprobs only)
+    "logprobs": Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]],
+}
 
 
 def _sentence(text: str) -> str:
@@ -178,6 +209,8 @@ def _common_openai() -> dict[str, Any]:
         "model": (Optional[str], Field(None, description="The served model's id (see /v1/models).")),
         "stream": (Optional[bool], Field(False)),
         "stream_options": (Optional[StreamOptions], Field(None)),
+        "n": (Optional[int], Field(None, ge=1, le=MAX_CHOICES, description=f"How many choices (1..{MAX_CHOICES}); "
+                                   "choice i samples with seed + i.")),
     }
 
 
@@ -211,6 +244,8 @@ def _completion_model(cap: int, registry: Registry) -> type[BaseModel]:
         __doc__="OpenAI `completions.create` (legacy): raw text in, no chat template; docs/openai.md lists "
                 "what each field does here.",
         prompt=(Union[str, list[str]], Field(description="The text to continue, as is (a list of one string).")),
+        echo=(Optional[bool], Field(None, description="Put the prompt before the answer (with logprobs: its "
+                                    "tokens' logprobs too).")),
         **_common_openai(),
         **option_fields(COMPLETIONS_ROUTE, cap=cap, registry=registry),
         **_ignored_fields(route_fields(COMPLETIONS_ROUTE, registry)),

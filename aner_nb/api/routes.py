@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from starlette.responses import PlainTextResponse
 
+from .embeddings import DetokenizeAnswer, EmbeddingList, TokenizeAnswer
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .schemas import ChatAnswer, ChatCompletion, ErrorBody, Health, ModelCard, ModelList, TextCompletion
 
@@ -87,6 +88,12 @@ ROUTES: tuple[Route, ...] = (
           ChatCompletion, _streamed("chat.completion", "ChatCompletionChunk")),
     Route("POST", "/v1/completions", "completions", "OpenAI completions.create: raw text, no chat template",
           TextCompletion, _streamed("text_completion", "TextCompletionChunk")),
+    Route("POST", "/v1/embeddings", "embeddings", "OpenAI embeddings.create: one vector per input",
+          EmbeddingList, {**_errors(404, "unknown model (several served)"), **_REQUEST_ERRORS}),
+    Route("POST", "/tokenize", "tokenize", "llama.cpp server's /tokenize: text to token ids", TokenizeAnswer,
+          {**_errors(404, "unknown model (several served)"), **_REQUEST_ERRORS}),
+    Route("POST", "/detokenize", "detokenize", "llama.cpp server's /detokenize: token ids to text",
+          DetokenizeAnswer, {**_errors(404, "unknown model (several served)"), **_REQUEST_ERRORS}),
     Route("GET", "/v1/models", "list_models", "The served models", ModelList),
     Route("GET", "/v1/models/{model_id}", "get_model", "One served model", ModelCard, _errors(404, "not served")),
     Route("GET", "/health", "health", "Liveness for gateways (no token needed)", Health,

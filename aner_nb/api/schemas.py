@@ -18,9 +18,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, get_args
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel, Field, create_model, model_serializer
 
 from ..llm.response import Response, Usage
+from .logprob_bodies import ChatLogprobs, CompletionLogprobs, chat_logprobs, completion_logprobs
 from ..llm.timings import timing_fields
 
 __all__ = [
@@ -28,7 +29,7 @@ __all__ = [
     "TextCompletion", "TextCompletionChunk", "ModelList", "ModelCard", "ModelHealth", "Health",
 ]
 
-FinishReason = Literal["stop", "length"]  # a cancelled generation is answered with an error, never a body
+FinishReason = Literal["stop", "length", "tool_calls"]  # a cancelled generation is answered with an error, never a body
 
 
 # -- responses: what the routes return (their ``response_model``) -------------------------------
@@ -155,8 +156,27 @@ class _Answer(_OpenAIObject):
         return cls._build(envelope, [cls._choice(response)], response)
 
     @classmethod
+    def of_choices(cls, envelope: Envelope, responses: "list[Response]", *, echo: Optional[str] = None) -> Any:
+        """The answer of ``n`` choices (``index`` i, logprobs when asked); usage counts the prompt once and
+        every choice's completion tokens; the timings are the first choice's. ``echo``: the prompt text
+        that goes before each choice's text (``/v1/completions``)."""
+        choices = []
+        for index, response in enumerate(responses):
+            choice = cls._choice(response)
+            choice.index = index
+            cls._score(choice, response, echo)
+            choices.append(choice)
+        first = responses[0]
+        usage = dataclasses.replace(first.usage, completion_tokens=sum(r.usage.completion_tokens for r in responses))
+        return cls._build(envelope, choices, dataclasses.replace(first, usage=usage))
+
+    @classmethod
     def _choice(cls, response: Response) -> BaseModel:
         raise NotImplementedError
+
+    @classmethod
+    def _score(cls, choice: Any, response: Response, echo: Optional[str]) -> None:
+        """Add the response's logprobs (and the echoed prompt) to its choice."""
 
 
 class _Chunk(_OpenAIObject):
@@ -170,17 +190,63 @@ class _Chunk(_OpenAIObject):
         """The last chunk when ``stream_options.include_usage`` is true: no choices, the usage and timings."""
         return cls._build(envelope, [], response)
 
+    def scored(self, index: int, entries: Any = None, offset: int = 0) -> Any:
+        """This chunk as choice ``index``'s, carrying ``entries`` (its tokens' logprobs; None: not asked)."""
+        for choice in self.choices:
+            choice.index = index
+            if entries is not None:
+                choice.logprobs = self._logprobs(entries, offset)
+        return self
+
+    @classmethod
+    def _logprobs(cls, entries: Any, offset: int) -> Any:
+        return chat_logprobs(entries)
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The call's arguments: a JSON object, as a string.")
+
+
+class ToolCallBody(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class CompletionMessage(BaseModel):
+    """The answer; ``reasoning_content`` (a reasoning model's thinking) and ``tool_calls`` only when there are."""
+
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallBody]] = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: Any) -> Any:
+        out = handler(self)
+        for name in ("reasoning_content", "tool_calls"):
+            if out.get(name) is None:
+                out.pop(name, None)
+        return out
+
+
+def tool_calls_of(response: Response) -> Optional[list[ToolCallBody]]:
+    if not response.tool_calls:
+        return None
+    return [ToolCallBody(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in response.tool_calls]
+
+
+def chat_finish_reason(response: Response) -> str:
+    """OpenAI's finish reason: ``tool_calls`` when the answer called tools."""
+    return "tool_calls" if response.tool_calls and response.finish_reason == "stop" else response.finish_reason
 
 
 class Choice(BaseModel):
     index: int
     message: CompletionMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletion(_Answer):
@@ -191,8 +257,16 @@ class ChatCompletion(_Answer):
 
     @classmethod
     def _choice(cls, response: Response) -> Choice:
-        message = CompletionMessage(role="assistant", content=response.text)
-        return Choice(index=0, message=message, finish_reason=response.finish_reason)
+        calls = tool_calls_of(response)
+        content = None if calls and not response.text else response.text
+        message = CompletionMessage(role="assistant", content=content, reasoning_content=response.reasoning,
+                                    tool_calls=calls)
+        return Choice(index=0, message=message, finish_reason=chat_finish_reason(response))
+
+    @classmethod
+    def _score(cls, choice: Any, response: Response, echo: Optional[str]) -> None:
+        if response.logprobs is not None:
+            choice.logprobs = chat_logprobs(response.logprobs)
 
 
 class ChunkDelta(BaseModel):
@@ -200,13 +274,15 @@ class ChunkDelta(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # OpenAI's ToolCallDelta: index, id, type, function
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: Optional[FinishReason] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(_Chunk):
@@ -238,12 +314,31 @@ class ChatCompletionChunk(_Chunk):
     def finish(cls, envelope: Envelope, finish_reason: str) -> "ChatCompletionChunk":
         return cls._delta(envelope, ChunkDelta(), finish_reason)
 
+    @classmethod
+    def reasoning(cls, envelope: Envelope, piece: str) -> "ChatCompletionChunk":
+        """A piece of a reasoning model's thinking (``delta.reasoning_content``, as llama.cpp's server and vLLM)."""
+        return cls._delta(envelope, ChunkDelta(reasoning_content=piece))
+
+    @classmethod
+    def tool_call_deltas(cls, envelope: Envelope, response: Response, piece_chars: int = 16) -> "list[ChatCompletionChunk]":
+        """The answer's tool calls in OpenAI's streamed shape: per call a chunk with its index, id, type and
+        name (arguments empty), then its arguments in pieces of ``piece_chars`` characters."""
+        out = []
+        for index, call in enumerate(response.tool_calls):
+            head = {"index": index, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            out.append(cls._delta(envelope, ChunkDelta(tool_calls=[head])))
+            for at in range(0, len(call.arguments), piece_chars):
+                part = {"index": index, "function": {"arguments": call.arguments[at:at + piece_chars]}}
+                out.append(cls._delta(envelope, ChunkDelta(tool_calls=[part])))
+        return out
+
 
 class TextChoice(BaseModel):
     index: int
     text: str
     finish_reason: Optional[FinishReason] = None
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class TextCompletion(_Answer):
@@ -255,6 +350,19 @@ class TextCompletion(_Answer):
     @classmethod
     def _choice(cls, response: Response) -> TextChoice:
         return TextChoice(index=0, text=response.text, finish_reason=response.finish_reason, logprobs=None)
+
+    @classmethod
+    def _score(cls, choice: Any, response: Response, echo: Optional[str]) -> None:
+        prompt = response.prompt_logprobs or ()
+        if response.logprobs is not None:
+            first = ""
+            if echo is not None and prompt:  # the first prompt token has no entry: its text is what the rest leaves
+                rest = "".join(e.text for e in prompt[1:] if e is not None)
+                first = echo[: len(echo) - len(rest)] if echo.endswith(rest) else ""
+            choice.logprobs = completion_logprobs(response.logprobs, prompt=prompt if echo is not None else (),
+                                                  prompt_tokens=[first])
+        if echo is not None:
+            choice.text = echo + choice.text
 
 
 class TextCompletionChunk(_Chunk):
@@ -271,6 +379,10 @@ class TextCompletionChunk(_Chunk):
     @classmethod
     def opening(cls, envelope: Envelope) -> None:
         return None  # the legacy stream names no role
+
+    @classmethod
+    def _logprobs(cls, entries: Any, offset: int) -> Any:
+        return completion_logprobs(entries, offset=offset)
 
     @classmethod
     def text(cls, envelope: Envelope, piece: str, finish_reason: Optional[str] = None) -> "TextCompletionChunk":

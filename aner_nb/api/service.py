@@ -30,7 +30,11 @@ from starlette.responses import Response
 from .._version import __version__
 from ..llm import errors as llm_errors
 from .config import ServiceConfig
+from . import embeddings as embedding_routes
 from .calls import Call, chat_call, completion_call, seed_call
+from . import choices
+from ..llm.output import OutputSplitter
+from .schemas import chat_finish_reason
 from .errors import ApiError, busy, from_library, install_handlers
 from .guard import Guard
 from .origin import HostPolicy, OriginGuard, OriginPolicy
@@ -116,6 +120,32 @@ class Service:
         mount.metrics.finished(call.route, response, generation.first_piece_s)
         return response
 
+    async def run_work(self, mount: Mount, work: Callable[[], Any], *, fields: frozenset, prompt_field: str) -> Any:
+        """Run ``work`` (a blocking library call that is not a generation: embed, tokenize) on ``mount``'s
+        worker pool under its gate; the slot is held until the work ends, even when the answer is a 504."""
+        self._enter(mount)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(mount.pool, work)
+        except BaseException:
+            mount.gate.leave()
+            raise
+
+        def ended(f: "asyncio.Future[Any]") -> None:
+            mount.gate.leave()
+            if not f.cancelled():
+                f.exception()  # retrieved here, so one that outlived a 504 answer is not reported as lost
+
+        future.add_done_callback(ended)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.config.timeout_ms / 1000.0)
+        except asyncio.TimeoutError:
+            raise self.timeout_error() from None
+        except llm_errors.LLMError as exc:
+            if isinstance(exc, llm_errors.BusyError):
+                mount.metrics.count("busy_rejections")
+            raise from_library(exc, fields=fields, prompt_field=prompt_field,
+                               retry_after_s=self.config.retry_after_s) from None
+
     def timeout_error(self) -> ApiError:
         return ApiError(504, f"the request ran past this service's timeout of {self.config.timeout_ms} ms; "
                         "its generation was cancelled", type="timeout_error", code="timeout")
@@ -131,14 +161,35 @@ class Service:
         return error
 
     async def events(self, mount: Mount, generation: Generation, call: Call, envelope: Envelope, chunks: Any,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """The SSE events of a streamed answer in ``chunks``' shape (see ``schemas``); an error ends them early."""
+                     include_usage: bool, *, index: int = 0, framed: bool = True,
+                     ended: Optional[list] = None) -> AsyncIterator[str]:
+        """The SSE events of a streamed answer in ``chunks``' shape (see ``schemas``); an error ends them early.
+
+        ``index`` is the choice's; ``framed=False`` leaves out the usage chunk and ``[DONE]`` (the events of
+        one of ``n`` choices, see :func:`choice_events`); ``ended`` receives the Response when it finishes.
+        With logprobs each text chunk carries its tokens' logprobs, the finishing chunk those of tokens
+        whose text was not sent (a stop string's, or all of them when the text is split for reasoning).
+        """
         opening = chunks.opening(envelope)
         if opening is not None:
-            yield event(opening)
+            yield event(opening.scored(index))
+        if call.echo:
+            yield event(chunks.text(envelope, call.prompt).scored(index))
+        scoring = bool(call.options.get("logprobs"))
+        sent, offset = 0, len(call.prompt) if call.echo else 0  # logprob entries sent; characters sent
+        splitter = _splitter(generation, chunks)  # reasoning and tool calls apart (chat answers that have them)
         try:
             async for piece in with_keepalive(generation.pieces(), self.config.sse_keepalive_s):
-                yield KEEPALIVE if piece is None else event(chunks.text(envelope, piece))
+                if piece is None:
+                    yield KEEPALIVE
+                elif splitter is None:
+                    entries = getattr(piece, "logprobs", ()) if scoring else None
+                    yield event(chunks.text(envelope, str(piece)).scored(index, entries, offset))
+                    sent += len(entries or ())
+                    offset += len(piece)
+                else:
+                    for split in _split_events(chunks, envelope, splitter.feed(piece), index):
+                        yield split
             response = self.finished(mount, generation, call)
         except RequestTimeout:
             yield event(self.timeout_error().body())
@@ -149,7 +200,17 @@ class Service:
         except llm_errors.LLMError as exc:
             yield event(self.library_error(mount, exc, call).body())
             return
-        yield event(chunks.finish(envelope, response.finish_reason))
+        if splitter is not None:
+            for split in _split_events(chunks, envelope, splitter.finish(response.text), index):
+                yield split
+            for chunk in chunks.tool_call_deltas(envelope, response):
+                yield event(chunk.scored(index))
+        rest = (response.logprobs or ())[sent:] if scoring else None
+        yield event(chunks.finish(envelope, chat_finish_reason(response)).scored(index, rest, offset))
+        if ended is not None:
+            ended.append(response)
+        if not framed:
+            return
         if include_usage:
             yield event(chunks.usage_of(envelope, response))
         yield DONE
@@ -173,6 +234,19 @@ class Service:
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def _splitter(generation: Generation, chunks: Any) -> Optional[OutputSplitter]:
+    """A splitter for a chat stream whose text holds reasoning or tool calls; None for plain text."""
+    fmt = getattr(generation.stream, "output_format", None)
+    if fmt is None or fmt.plain or not hasattr(chunks, "reasoning"):
+        return None
+    return OutputSplitter(fmt)
+
+
+def _split_events(chunks: Any, envelope: Envelope, parts: list[tuple[str, str]], index: int = 0) -> list[str]:
+    return [event((chunks.reasoning(envelope, text) if channel == "reasoning" else chunks.text(envelope, text))
+                  .scored(index)) for channel, text in parts]
 
 
 # -- the POST endpoints (their body types are built per service) -------------------------------
@@ -210,16 +284,25 @@ def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> C
     async def openai_completion(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
         mount = service.mount_for(body.model)
         call = route.make_call(body, service.config.max_tokens)
-        generation = await service.admit(mount, call)
+        generation = await service.admit(mount, call.choice(0))
         envelope = Envelope.new(route.id_prefix, mount.name, mount.model.fingerprint, call.seed)
+        echo = call.prompt if call.echo else None
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = service.events(mount, generation, call, envelope, route.chunks, include_usage)
-            return EventStream(events, generation)
-        response = await service.complete(mount, generation, request, call)
-        if response is None:
+            if call.n == 1:
+                events = service.events(mount, generation, call, envelope, route.chunks, include_usage)
+                return EventStream(events, generation)
+            running = choices.Running([generation])
+            events = choices.choice_events(service, mount, call, envelope, route.chunks, include_usage, running)
+            return EventStream(events, running)
+        if call.n == 1:
+            response = await service.complete(mount, generation, request, call)
+            responses = None if response is None else [response]
+        else:
+            responses = await choices.complete_choices(service, mount, call, request, generation)
+        if responses is None:
             return Response(status_code=499)
-        return route.answer.of(envelope, response)
+        return route.answer.of_choices(envelope, responses, echo=echo)
 
     return openai_completion
 
@@ -270,6 +353,7 @@ def _endpoints(service: Service, bodies: Any) -> dict[str, Callable[..., Any]]:
         "get_model": service.get_model,
         "health": service.health,
         "metrics": service.metrics_text,
+        **embedding_routes.endpoints(service),
     }
 
 

@@ -22,6 +22,8 @@ from .memory import KV_CACHE_TYPES, kv_estimate
 from .profiles import LoadSettings, OptimizerSettings, Profile, RequestSettings
 from .frame_map import INTERRUPTED, MapStats
 from .response import Response, Usage
+from .tools import Tool, ToolCall
+from .logprobs import TokenLogprob
 from .timings import Timings, timing_fields
 from .scheduler import SchedulerStats
 from .session import Session
@@ -76,6 +78,9 @@ __all__ = [
     "Session",
     "Stream",
     "Response",
+    "Tool",
+    "ToolCall",
+    "TokenLogprob",
     "Timings",
     "timing_fields",
     "Usage",

@@ -177,6 +177,8 @@ def default_threads() -> tuple[int, int]:
 
 _KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}
 _FLASH = {"auto": "LLAMA_FLASH_ATTN_TYPE_AUTO", "on": "LLAMA_FLASH_ATTN_TYPE_ENABLED", "off": "LLAMA_FLASH_ATTN_TYPE_DISABLED"}
+_POOLING = {"unspecified": "LLAMA_POOLING_TYPE_UNSPECIFIED", "none": "LLAMA_POOLING_TYPE_NONE",
+            "mean": "LLAMA_POOLING_TYPE_MEAN", "cls": "LLAMA_POOLING_TYPE_CLS", "last": "LLAMA_POOLING_TYPE_LAST"}
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,9 @@ class ContextParams:
     offload: bool = False  # KV and host ops on the accelerator (GPU devices only)
     # The LoRA adapter every context created with these params applies (one per context, scale 1).
     adapter: "NativeAdapter | None" = field(default=None, repr=False)
+    # An embedding context (llama.cpp's embeddings=True) pools each sequence's hidden states this way.
+    embeddings: bool = False
+    pooling: str = "unspecified"
 
 
 # -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --
@@ -313,6 +318,7 @@ class NativeModel(_Owner):
         self.n_params = int(lib.llama_model_n_params(ptr))
         self.bos = int(lib.llama_vocab_bos(self.vocab))
         self.eos = int(lib.llama_vocab_eos(self.vocab))
+        self.n_embd = int(lib.llama_model_n_embd_out(ptr))  # the width of a pooled embedding
         if _faults is not None:
             try:
                 _fault("model_loaded", self)
@@ -423,7 +429,8 @@ class NativeContext(_Owner):
         cp.offload_kqv = params.offload
         cp.op_offload = params.offload
         cp.no_perf = False
-        cp.embeddings = False
+        cp.embeddings = params.embeddings
+        cp.pooling_type = getattr(lib, _POOLING[params.pooling])
         if _faults is not None:
             _fault("context_init", model)
         with engine_log.capturing() as creation_log:
@@ -516,6 +523,14 @@ class NativeContext(_Owner):
 
     def seq_pos_min(self, seq: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    # -- embedding contexts (ContextParams.embeddings) --------------------------
+    def pooled_embedding(self, seq: int) -> np.ndarray:
+        """A copy of sequence ``seq``'s pooled embedding from the last decode (``llama_get_embeddings_seq``)."""
+        ptr = self._lib.llama_get_embeddings_seq(self.ptr, seq)
+        if not ptr:
+            raise EngineError(f"no pooled embedding for sequence {seq}: not an embedding context, or not decoded")
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_embd,)).copy()
 
 
 class NativeAdapter(_Owner):
@@ -618,8 +633,12 @@ class Batch(_Owner):
             raise EngineError(f"batch row {i} does not exist ({self.native.n_tokens} rows)")
         self._logits[i] = 1
 
-    def add_run(self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False) -> int:
-        """Append consecutive tokens of one sequence; returns the index of the last row."""
+    def add_run(
+        self, tokens: Sequence[int], start_pos: int, seq: int = 0, logits_last: bool = False, all_outputs: bool = False
+    ) -> int:
+        """Append consecutive tokens of one sequence; returns the index of the last row.
+
+        ``all_outputs`` marks every row as an output (an embedding context pools all of them)."""
         n = len(tokens)
         i = self.native.n_tokens
         if i + n > self.capacity:
@@ -629,7 +648,7 @@ class Batch(_Owner):
         self._n_seq[i : i + n] = 1
         for row in range(i, i + n):
             self._seq_rows[row][0] = seq
-        self._logits[i : i + n] = 0
+        self._logits[i : i + n] = 1 if all_outputs else 0
         if logits_last and n:
             self._logits[i + n - 1] = 1
         self.native.n_tokens = i + n
@@ -640,7 +659,7 @@ class Batch(_Owner):
 class SamplerChain:
     """What one request's llama.cpp sampler chain applies, in llama.cpp's own order.
 
-    ``grammar`` (GBNF, root rule ``root``) comes first so every later stage
+    ``logit_bias`` is added to the logits first; ``grammar`` (GBNF, root rule ``root``) comes next so every later stage
     sees only tokens the grammar allows; then the penalties over the last
     ``penalty_last_n`` tokens (the prompt's tail included, as llama.cpp's
     server does); then either greedy (``temperature == 0``: the first maximum)
@@ -657,6 +676,7 @@ class SamplerChain:
     penalty_repeat: float = 1.0
     penalty_freq: float = 0.0
     penalty_present: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits first
 
 
 class Sampler(_Owner):
@@ -682,6 +702,11 @@ class Sampler(_Owner):
 
     def _build(self, model: "NativeModel", spec: SamplerChain, history: Sequence[int]) -> None:
         lib = self._lib
+        if spec.logit_bias:  # first, as llama.cpp's common sampler: every later stage sees the biased logits
+            biases = (lib.llama_logit_bias * len(spec.logit_bias))(
+                *(lib.llama_logit_bias(int(token), float(bias)) for token, bias in spec.logit_bias)
+            )
+            self._add(lib.llama_sampler_init_logit_bias(model.n_vocab, len(spec.logit_bias), biases))
         if spec.grammar is not None:
             self._add(_grammar_sampler(lib, model, spec.grammar))
         if spec.penalty_last_n:

@@ -145,7 +145,8 @@ class BatchingModel(Lease):
             "adapter": self._adapter is not None, "prefix_cache": self._profile.optimizer.prefix_cache_entries > 0,
         }
         return frozenset(
-            {"generate", "chat", "stream", "complete", "continuous_batching", *(f for f, on in optional.items() if on)}
+            {"generate", "chat", "stream", "complete", "continuous_batching", "embed",
+             *(f for f, on in optional.items() if on)}
         )
 
     # -- requests: the protocol's two steps ----------------------------------------
@@ -153,6 +154,8 @@ class BatchingModel(Lease):
     # scheduler thread with each newly final piece. ``stream`` pieces wait in a small per-request
     # buffer; while it is full the sequence pauses (others continue), and ``cancel()`` or Ctrl-C
     # ends only this sequence.
+    _scores_prompts = False  # prompts are evaluated in shared steps with logits on their last row only
+
     def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
         note = (
             f" (this batching lease splits its context of {self.context} cells between {self.max_sequences} "

@@ -15,12 +15,14 @@ this module keeps :class:`ChatTemplate`, resolution and message validation.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateSyntaxError
+from jinja2 import TemplateSyntaxError, meta
 from jinja2.exceptions import SecurityError
 
 from .deadline import DeadlineExceeded, within
@@ -30,6 +32,7 @@ from .sandbox import MAX_RENDER_CHARS  # noqa: F401 - re-exported: the render bo
 from .sandbox import ENVIRONMENT, RENDER_SECONDS, TemplateRaised, bounded_output
 from .templates import BUILTIN_TEMPLATES, FAMILY_TEMPLATES
 from .templates import builtin_names as _builtin_names
+from .tools import TOOL_NAME
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -42,7 +45,9 @@ __all__ = [
 ]
 
 #: Roles a message may have.
-ROLES: tuple[str, ...] = ("system", "user", "assistant")
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+MAX_MESSAGE_TOOL_CALLS = 64  # calls one assistant message may carry back
+MAX_TOOL_CALL_ID = 256
 
 
 @dataclass(frozen=True, repr=False)
@@ -96,8 +101,19 @@ class ChatTemplate:
         assert self.now is not None
         return self.now.strftime(fmt)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def handles_tools(self) -> bool:
+        """Whether the template reads ``tools`` (then it renders them itself; else the generic block does)."""
+        return "tools" in meta.find_undeclared_variables(ENVIRONMENT.parse(self.source))
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+        tools: "Sequence[Mapping[str, Any]] | None" = None, variables: "Sequence[tuple[str, Any]]" = (),
+    ) -> str:
         """Validate ``messages`` and render the prompt text.
+
+        ``tools`` (OpenAI tool dicts) are the template's ``tools``; ``variables`` are extra template
+        variables (a request's ``chat_template_kwargs``, already checked).
 
         Raises ``InvalidRequestError`` for malformed messages and
         ``ChatTemplateError`` for anything the template does wrong or rejects
@@ -114,9 +130,10 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "strftime_now": self._strftime_now,
-            "tools": None,
+            "tools": [dict(t) for t in tools] if tools else None,
             "documents": None,
         }
+        context.update({name: value for name, value in variables if name not in context})
         try:
             return within(RENDER_SECONDS, lambda: bounded_output(self._compiled.generate(context)))
         except DeadlineExceeded:
@@ -187,7 +204,9 @@ def validate_messages(
     """Check a conversation and return normalized copies ``{"role", "content"}``.
 
     Accepts a list or tuple of mappings; keys other than ``role`` and
-    ``content`` are ignored (not passed to the template).
+    ``content`` are ignored (not passed to the template), except an assistant
+    message's ``tool_calls`` (its content may then be None or absent) and a
+    ``tool`` message's ``tool_call_id`` and ``name``.
     """
     if max_messages is not None and (
         isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1
@@ -222,17 +241,77 @@ def validate_messages(
             raise InvalidRequestError(
                 f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", param=f"messages[{i}].role"
             )
-        if "content" not in message:
+        if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
             raise InvalidRequestError(
                 f"messages[{i}].content is missing; it must be a str", param=f"messages[{i}].content"
             )
-        content = message["content"]
+        content = message.get("content")
+        calls = message.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:
+            content = ""  # an assistant message that only calls tools (OpenAI sends null content)
         if not isinstance(content, str):
             raise InvalidRequestError(
                 f"messages[{i}].content must be a str, got {type(content).__name__}", param=f"messages[{i}].content"
             )
-        out.append({"role": role, "content": str.__str__(content)})
+        checked: dict[str, Any] = {"role": role, "content": str.__str__(content)}
+        if calls:
+            checked["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            checked.update(_tool_result(message, f"messages[{i}]"))
+        out.append(checked)
     return tuple(out)
+
+
+def _tool_result(message: Mapping[str, Any], where: str) -> dict[str, str]:
+    """A tool message's ``tool_call_id`` and ``name`` when given, checked (OpenAI sends the id; templates
+    rarely read it, so a result without one is accepted, as llama.cpp's server does)."""
+    call_id = message.get("tool_call_id")
+    if call_id is None:
+        call_id = ""
+    elif not isinstance(call_id, str) or not 0 < len(call_id) <= MAX_TOOL_CALL_ID:
+        raise InvalidRequestError(
+            f"{where}.tool_call_id must be the id (a string of 1..{MAX_TOOL_CALL_ID} characters) of the call this "
+            f"result answers, got {call_id!r}", param=f"{where}.tool_call_id"
+        )
+    out = {"tool_call_id": str.__str__(call_id)}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{where}.name must be a tool name, got {name!r}", param=f"{where}.name")
+        out["name"] = str.__str__(name)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as template-ready dicts (arguments as a JSON object, as
+    Hugging Face templates expect)."""
+    if not isinstance(calls, (list, tuple)) or len(calls) > MAX_MESSAGE_TOOL_CALLS:
+        raise InvalidRequestError(f"{where} must be a list of at most {MAX_MESSAGE_TOOL_CALLS} calls", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise InvalidRequestError(f"{at} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                                      param=at)
+        name, arguments, call_id = function.get("name"), function.get("arguments", "{}"), call.get("id", "")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{at}.function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}",
+                                      param=f"{at}.function.name")
+        if not isinstance(call_id, str) or len(call_id) > MAX_TOOL_CALL_ID:
+            raise InvalidRequestError(f"{at}.id must be a string of at most {MAX_TOOL_CALL_ID} characters",
+                                      param=f"{at}.id")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, Mapping):
+            raise InvalidRequestError(f"{at}.function.arguments must be a JSON object (as a string or a dict)",
+                                      param=f"{at}.function.arguments")
+        out.append({"id": str.__str__(call_id), "type": "function",
+                    "function": {"name": str.__str__(name), "arguments": json.loads(json.dumps(arguments))}})
+    return out
 
 
 def format_prompt(template: ChatTemplate, prompt: str, system: str | None = None) -> str:

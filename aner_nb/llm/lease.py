@@ -94,7 +94,9 @@ class LLMModel(Lease):
             "speculative": opt.draft_tokens > 0,  # speculative_tokens >= batch_tokens decodes plainly
             "adapter": self._adapter is not None,
         }
-        return frozenset({"generate", "chat", "stream", "complete", "session", *(f for f, on in optional.items() if on)})
+        return frozenset(
+            {"generate", "chat", "stream", "complete", "session", "embed", *(f for f, on in optional.items() if on)}
+        )
 
     # -- requests: the protocol's two steps ---------------------------------------
     def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
@@ -106,7 +108,8 @@ class LLMModel(Lease):
     ) -> tuple[Pieces, Done]:
         """Acquire a context (the pool may already hold part of the prompt), run the job, give it back."""
         pool = self._state.pool
-        acquired = pool.acquire(prepared.tokens)
+        # A scored prompt is evaluated from position 0 (logits on every row): no cached prefix is reused.
+        acquired = pool.acquire(() if prepared.request.prompt_logprobs else prepared.tokens)
         job.n_cached = acquired.n_cached
         for part in acquired.timings:
             job.add(part)

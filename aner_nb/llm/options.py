@@ -20,10 +20,17 @@ else is derived from the registry, never written again by hand:
   body becomes (``api/calls.py``), and the output-limit bounds of
   ``api.app().output_limit()`` and ``aner-nb serve --max-tokens``.
 
+OpenAI's ``n`` (several choices) is not a request option: the library answers
+one choice per call, and the HTTP layer runs ``n`` calls with seeds ``seed + i``
+(``api/choices.py``). Logprobs (``logprobs``, ``top_logprobs``,
+``prompt_logprobs``) change no token, so they are not sampling options;
+``logit_bias`` is (a greedy request with a bias leaves the plain-argmax path).
+
 Every derived artefact is built by a function taking a registry, so a test
 can declare a throwaway option in its own :class:`Registry` and find it
 everywhere (``tests/test_options.py``). The ground floor of ``llm/``: this
-module imports only ``errors`` and ``constraints``.
+module imports only ``errors``, ``constraints`` and ``tools`` (the checks of
+the tool options, themselves pure).
 """
 
 from __future__ import annotations
@@ -31,13 +38,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, TypedDict, Union
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence, TypedDict, Union
+
+from typing_extensions import NotRequired, TypedDict as WireDict  # pydantic reads these (HTTP bodies)
 
 from .constraints import check_grammar_text, check_json_schema
+from .tools import MAX_TEMPLATE_KWARGS, MAX_TOOLS, check_template_kwargs, check_tool_choice, check_tool_rules, check_tools
 from .errors import ConfigurationError, InvalidRequestError, LLMError
 
 __all__ = [
     "MAX_CONTEXT", "MAX_TOKENS", "MAX_SEED", "MAX_STOP_STRINGS", "MAX_VOCAB", "MAX_REPEAT_PENALTY",
+    "MAX_TOP_LOGPROBS", "MAX_LOGIT_BIAS", "MAX_BIAS",
     "CHAT_ROUTE", "COMPLETIONS_ROUTE", "OPENAI_ROUTES", "HONOURED", "EXTENSION",
     "LIBRARY", "RANDOM", "OUTPUT_LIMIT",
     "int_in", "number_in", "Flag", "OpenAIField", "Option", "Registry", "REGISTRY", "RequestSettings",
@@ -49,6 +60,9 @@ MAX_SEED = 2**32 - 1
 MAX_STOP_STRINGS = 16
 MAX_VOCAB = 1 << 24  # top_k's static bound; the model's own vocabulary size is checked when a request is prepared
 MAX_REPEAT_PENALTY = 10.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_LOGIT_BIAS = 1024  # entries of one logit_bias map
+MAX_BIAS = 100.0  # |bias| bound, OpenAI's: -100 effectively bans a token, 100 forces it
 
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
@@ -128,6 +142,34 @@ def _schema(name: str, value: Any) -> Any:
             f"{name} must be a JSON schema object (a dict) or None, got {type(value).__name__}", param=name
         )
     return value
+
+
+def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` as sorted ``(id, bias)`` pairs; ids may be digit strings (OpenAI's JSON keys).
+
+    Ids are checked against the model's vocabulary when the request is prepared.
+    """
+    if value is None:
+        return ()
+    if isinstance(value, tuple):  # already normalised (a settings object rebuilt by dataclasses.replace)
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            f"{name} must be a mapping of token id to bias, or None, got {type(value).__name__}", param=name
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"{name} accepts at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", param=name)
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError(f"{name} keys must be token ids (integers >= 0), got {key!r}", param=name)
+        if token in pairs:
+            raise InvalidRequestError(f"{name} names token {token} twice", param=name)
+        pairs[token] = number_in(f"{name}[{key}]", bias, -MAX_BIAS, MAX_BIAS)
+    return tuple(sorted(pairs.items()))
 
 
 # -- the declaration -------------------------------------------------------------------------
@@ -331,6 +373,28 @@ class Registry:
         return TypedDict("RequestOptions", {o.name: o.keyword_type for o in self}, total=False)  # type: ignore[operator]
 
 
+# -- the wire shapes of the tool options (what an HTTP body's schema states) ----------------------
+class _FunctionSpec(WireDict):
+    name: str
+    description: NotRequired[str]
+    parameters: NotRequired[dict[str, Any]]
+    strict: NotRequired[bool]
+
+
+class _ToolSpec(WireDict):
+    type: Literal["function"]
+    function: _FunctionSpec
+
+
+class _FunctionName(WireDict):
+    name: str
+
+
+class _NamedToolChoice(WireDict):
+    type: Literal["function"]
+    function: _FunctionName
+
+
 # -- the request options -----------------------------------------------------------------------
 class RequestProperties:
     """What the engine asks of a request's settings, beyond its fields."""
@@ -342,6 +406,10 @@ class RequestProperties:
     frequency_penalty: float
     grammar: "str | None"
     json_schema: Any
+    logit_bias: "tuple[tuple[int, float], ...]"
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: bool
 
     @property
     def greedy(self) -> bool:
@@ -358,17 +426,32 @@ class RequestProperties:
 
     @property
     def constrained(self) -> bool:
-        return self.grammar is not None or self.json_schema is not None
+        """A grammar, a schema, or a tool_choice that forces calls (its grammar is built from the tools)."""
+        forced = bool(getattr(self, "tools", ())) and getattr(self, "tool_choice", "auto") not in ("auto", "none")
+        return self.grammar is not None or self.json_schema is not None or forced
 
     @property
     def plain_argmax(self) -> bool:
         """Greedy with nothing that changes the logits: the argmax of the raw row, no sampler at all."""
-        return self.greedy and not self.penalized and not self.constrained
+        return self.greedy and not self.penalized and not self.constrained and not self.logit_bias
 
 
 def _one_constraint(values: Mapping[str, Any]) -> None:
     if values["grammar"] is not None and values["json_schema"] is not None:
         raise InvalidRequestError("grammar and json_schema cannot be combined; pass one of them", param="grammar")
+
+
+def _top_needs_logprobs(values: Mapping[str, Any]) -> None:
+    if values["top_logprobs"] and not (values["logprobs"] or values["prompt_logprobs"]):
+        raise InvalidRequestError("top_logprobs needs logprobs=True (as OpenAI requires)", param="top_logprobs")
+
+
+def _tool_choice_needs_tools(values: Mapping[str, Any]) -> None:
+    check_tool_rules(values["tools"], values["tool_choice"])
+    if values["tools"] and values["tool_choice"] not in ("auto", "none") and (
+            values["grammar"] is not None or values["json_schema"] is not None):
+        raise InvalidRequestError("tool_choice 'required' or a named tool constrains the answer itself; it cannot be "
+                                  "combined with grammar or json_schema", param="tool_choice")
 
 
 def _grammar_limits(name: str, text: str) -> None:
@@ -459,13 +542,80 @@ REGISTRY = Registry(
                    OpenAIField("response_format", EXTENSION, "as on chat (llama.cpp's server takes it here too)",
                                routes=(COMPLETIONS_ROUTE,), mapped=True),
                )),
+        Option("logit_bias", tuple[tuple[int, float], ...], (), "{token id: bias} added to the logits before "
+               f"sampling (at most {MAX_LOGIT_BIAS} ids, biases -100..100; -100 effectively bans a token); a greedy "
+               "request with a bias samples the biased row's argmax", check=_logit_bias,
+               accepts=Optional[Mapping[Union[int, str], float]], wire=Optional[dict[str, float]], nullable=True,
+               sampling=True, openai=(
+                   OpenAIField("logit_bias", HONOURED, f"`{{\"token id\": bias}}`, at most {MAX_LOGIT_BIAS} ids of "
+                               "the model's vocabulary, biases -100..100 added to the logits before sampling (-100 "
+                               "bans a token); a 400 with `param` `logit_bias` otherwise"),
+               )),
+        Option("logprobs", bool, False, "record each generated token's log probability (the log-softmax of the raw "
+               "logits, before any sampling stage) in Response.logprobs", seed_route=False, openai=(
+                   OpenAIField("logprobs", HONOURED, "`true` returns `choices[i].logprobs.content`: each token's "
+                               "logprob, from the model's raw logits before `logit_bias` and every sampling stage, "
+                               "streamed with each chunk too", routes=(CHAT_ROUTE,)),
+                   OpenAIField("logprobs", HONOURED, f"0..{MAX_TOP_LOGPROBS}: the legacy `logprobs` object "
+                               "(`tokens`, `token_logprobs`, `top_logprobs` with this many alternatives, "
+                               "`text_offset`), streamed with each chunk too", routes=(COMPLETIONS_ROUTE,),
+                               mapped=True),
+               )),
+        Option("top_logprobs", int, 0, "with logprobs: the most likely alternatives recorded at each position",
+               low=0, high=MAX_TOP_LOGPROBS, seed_route=False, openai=(
+                   OpenAIField("top_logprobs", HONOURED, f"0..{MAX_TOP_LOGPROBS} alternatives per token "
+                               "(needs `logprobs: true`)", routes=(CHAT_ROUTE,)),
+               )),
+        Option("prompt_logprobs", bool, False, "record the logprob of every prompt token after the first "
+               "(Response.prompt_logprobs; the prompt is evaluated with logits on every position, no prefix reuse); "
+               "with max_tokens=0 the prompt is scored and nothing generated", seed_route=False),
         Option("allow_special_tokens", bool, False, "message content may hold control tokens such as the "
                "template's turn markers (trusted callers only)", seed_route=False),
         Option("max_tokens_fit", bool, False, "when prompt plus max_tokens does not fit the context, generate "
                "at most what fits (finish reason 'length') instead of refusing; what OpenAI-compatible servers do "
                "for a request that leaves max_tokens out (the HTTP service sets it then)", seed_route=False),
+        # Tools are part of a chat request's input (like its messages) but declared here once, so every surface
+        # takes them the same way; tool_choice and parallel_tool_calls say what the answer may do with them.
+        Option("tools", tuple, (), f"function tools the model may call (OpenAI's shape, at most {MAX_TOOLS}); "
+               "rendered by the chat template when it handles tools, else by a generic system block; calls come "
+               "back in Response.tool_calls", check=check_tools, accepts=Optional[Sequence[Mapping[str, Any]]],
+               wire=Optional[list[_ToolSpec]], nullable=True, seed_route=False, openai=(
+                   OpenAIField("tools", HONOURED, f"function tools (at most {MAX_TOOLS}; names "
+                               "`^[a-zA-Z0-9_-]{1,64}$`, parameters a bounded JSON schema), rendered by the model's "
+                               "chat template when it handles `tools`, else by a generic system block; calls are "
+                               "returned in `message.tool_calls` (streamed as `delta.tool_calls`) with "
+                               "`finish_reason` `tool_calls`", routes=(CHAT_ROUTE,)),
+               )),
+        Option("tool_choice", Any, "auto", "'auto' (the model decides; calls are parsed from its family's format), "
+               "'none' (no tools shown, no calls), 'required' or {'type': 'function', 'function': {'name': ...}} "
+               "(the answer is constrained by a grammar to calls whose arguments follow the tools' schemas)",
+               check=check_tool_choice, accepts=Union[str, Mapping[str, Any], None],
+               wire=Optional[Union[Literal["none", "auto", "required"], _NamedToolChoice]], nullable=True, sampling=True,
+               seed_route=False, openai=(
+                   OpenAIField("tool_choice", HONOURED, "`auto` (default), `none` (tools not shown), `required` or "
+                               "a named function: with the last two the answer is constrained by a grammar to calls "
+                               "whose arguments validate against the tool's schema", routes=(CHAT_ROUTE,)),
+               )),
+        Option("parallel_tool_calls", bool, True, "a constrained answer (tool_choice 'required' or named) may make "
+               "several calls (up to 8); False: exactly one", seed_route=False, openai=(
+                   OpenAIField("parallel_tool_calls", HONOURED, "default true: a constrained answer may make up to 8 "
+                               "calls; `false`: exactly one", routes=(CHAT_ROUTE,)),
+               )),
+        Option("chat_template_kwargs", tuple, (), f"extra chat-template variables (at most {MAX_TEMPLATE_KWARGS}, "
+               "JSON scalars), e.g. {'enable_thinking': False}", check=check_template_kwargs,
+               accepts=Optional[Mapping[str, Any]], wire=Optional[dict[str, Union[str, int, float, bool, None]]],
+               nullable=True, flag=Flag("VAR|JSON", takes="variable_or_json", holds=dict,
+                         help="extra chat-template variables (inline JSON, or a variable holding a dict), e.g. "
+                         "'{\"enable_thinking\": false}'"),
+               openai=(
+                   OpenAIField("chat_template_kwargs", EXTENSION, f"at most {MAX_TEMPLATE_KWARGS} variables (JSON "
+                               "scalars) passed to the chat template, e.g. `{\"enable_thinking\": false}` "
+                               "(llama.cpp's server and vLLM take it too); reasoning between the model's thinking "
+                               "markers is returned as `message.reasoning_content` (streamed as "
+                               "`delta.reasoning_content`)", routes=(CHAT_ROUTE,)),
+               )),
     ],
-    rules=[_one_constraint],
+    rules=[_one_constraint, _top_needs_logprobs, _tool_choice_needs_tools],
     base=RequestProperties,
     doc="""Per-request sampling settings, validated on construction (fields: :data:`REGISTRY`).
 

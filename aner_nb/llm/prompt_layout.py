@@ -32,22 +32,25 @@ def _sentinel(index: int) -> str:
 
 
 def template_layout(
-    template: ChatTemplate, messages: Sequence[Mapping[str, str]], *, trusted: frozenset[int] = frozenset()
+    template: ChatTemplate, messages: Sequence[Mapping[str, Any]], *, trusted: frozenset[int] = frozenset(),
+    tools: "Sequence[Mapping[str, Any]] | None" = None, variables: "Sequence[tuple[str, Any]]" = (),
 ) -> tuple[str | int, ...] | None:
     """The prompt as template text (``str``) and content slots (``int``: the message index).
 
-    Messages in ``trusted`` keep their content (it counts as template text). ``None`` when the
-    layout cannot be known: a content holds a sentinel character, the template rejects or
+    Messages in ``trusted`` keep their content (it counts as template text), and so do empty
+    contents (nothing to protect; a template may test a content for emptiness, as tool-calling
+    assistant turns' are). ``tools`` and ``variables`` are rendered as in the real render. ``None``
+    when the layout cannot be known: a content holds a sentinel character, the template rejects or
     transforms the sentinels (cuts one, prints its length...).
     """
-    untrusted = [i for i in range(len(messages)) if i not in trusted]
+    untrusted = [i for i in range(len(messages)) if i not in trusted and messages[i]["content"]]
     if any(_SENTINEL_CHARS.search(messages[i]["content"]) for i in untrusted):
         return None
     masked = [dict(m) for m in messages]
     for i in untrusted:
         masked[i]["content"] = _sentinel(i)
     try:
-        text = template.render(masked, add_generation_prompt=True)
+        text = template.render(masked, add_generation_prompt=True, tools=tools, variables=variables)
     except ChatTemplateError:
         return None
     parts: list[str | int] = []

@@ -49,6 +49,9 @@ from .runner import Job, unstarted_response, validate_only
 from .frame_map import map_frame
 from .stream import Stream
 from .chat import validate_messages
+from .chat_input import chat_input
+from .embedder import embed as run_embed
+from .embeddings import check_token_ids
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -71,6 +74,7 @@ LeaseKind = Literal["ordinary", "latency", "adapter", "throughput", "session"]
 KINDS: tuple[str, ...] = get_args(LeaseKind)
 FEATURES = (
     "generate", "chat", "stream", "complete", "session", "prefix_cache", "speculative", "continuous_batching", "adapter",
+    "embed",
 )
 
 Pieces = Generator[str, None, "Response"]  # verified text pieces; returns the final Response
@@ -116,6 +120,8 @@ class Lease(ABC):
     _builder_note: ClassVar[str] = "derive profiles from the lease the others come from"
     #: What one request is called in the message of a request on a closed lease.
     _request_noun: ClassVar[str] = "a request"
+    #: Whether a request may ask for ``prompt_logprobs`` (its prompt evaluated from position 0, logits on every row).
+    _scores_prompts: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -266,9 +272,76 @@ class Lease(ABC):
         return map_frame(self, data, prompt, json_schema=json_schema, expand=expand, system=system,
                          checkpoint=checkpoint, progress=progress, settings=settings, **options)
 
+    def embed(
+        self, texts: Any, *, pooling: str | None = None, normalize: bool = True, return_count: bool = False,
+    ) -> Any:
+        """Sentence embeddings of ``texts`` as a float32 NumPy array, on an embedding context of its own.
+
+        ``texts`` is a str (the answer is one vector, shape ``(n_embd,)``, as
+        llama-cpp-python's ``Llama.embed`` and sentence-transformers return
+        it), a list of str (shape ``(len(texts), n_embd)``), or token ids (a
+        list of int, or a list of such lists). ``pooling``: ``"mean"``,
+        ``"cls"`` or ``"last"``; None takes the model's ``<arch>.pooling_type``,
+        and mean when it declares none. ``normalize`` scales each vector to unit
+        length. Many inputs share decodes (one sequence id each); an input
+        longer than the lease's context is refused (InvalidRequestError naming
+        it), never truncated. ``return_count=True`` returns ``(vectors,
+        prompt_tokens)``. llama.cpp also computes a logits row per embedded
+        token (about ``n_vocab * 8`` bytes: 1 GB for a 500-token input on
+        Gemma 3's 262k vocabulary). Policy: :mod:`aner_nb.llm.embeddings`.
+        """
+        life = self._lifetime
+        life.check_open("embed()")
+        if "embed" not in self._features():
+            raise UnsupportedFeatureError(
+                f"embed() is not available on a {self._lifetime.noun}: embed with the lease it came from",
+                param="embed",
+            )
+        life.begin("embed()")
+        try:
+            self._weights.retain()  # the call's own hold: a close meanwhile cannot free the model under it
+            try:
+                vectors, count = run_embed(self._weights, self._params, texts, pooling=pooling, normalize=normalize,
+                                           context=self.context)
+            finally:
+                self._weights.release()
+        finally:
+            life.end()
+        return (vectors, count) if return_count else vectors
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """``text``'s token ids. Defaults as llama-cpp-python's ``Llama.tokenize``: the model's BOS is added
+        and special-token text (``<|im_start|>``) stays text; ``parse_special=True`` makes it the token."""
+        self._lifetime.check_open("tokenize()")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text must be a str, got {type(text).__name__}", param="text")
+        return self._weights.native.tokenize(text, add_special=bool(add_special), parse_special=bool(parse_special))
+
+    def detokenize(self, tokens: Sequence[int], *, special: bool = False) -> str:
+        """The text of ``tokens`` (ids checked against the vocabulary first); ``special=True`` also renders
+        control tokens (BOS, turn markers), which are otherwise left out, as llama-cpp-python does."""
+        self._lifetime.check_open("detokenize()")
+        if not isinstance(tokens, (list, tuple)):
+            raise InvalidRequestError(f"tokens must be a list of int, got {type(tokens).__name__}", param="tokens")
+        native = self._weights.native
+        check_token_ids(tokens, native.n_vocab)
+        return native.detokenize([int(t) for t in tokens], special=bool(special))
+
+    def token_pieces(self, tokens: Sequence[int], *, special: bool = True) -> list[bytes]:
+        """Each token's raw bytes (a piece may be part of a UTF-8 character), ids checked first."""
+        self._lifetime.check_open("token_pieces()")
+        native = self._weights.native
+        check_token_ids(tokens, native.n_vocab)
+        return [native.token_bytes(int(t), special=bool(special)) for t in tokens]
+
     def _prepare(self, messages: "tuple[dict[str, str], ...] | RawText", request: "RequestSettings") -> Prepared:
         """Check and tokenize one request (its settings already checked) against this lease's rules and context."""
         self._lifetime.check_open(self._request_noun)
+        if request.prompt_logprobs and not self._scores_prompts:
+            raise UnsupportedFeatureError(
+                f"prompt_logprobs is not available on a {self.kind} lease (its prompts share or keep KV); score "
+                "prompts on an ordinary or latency lease", param="prompt_logprobs",
+            )
         rules = self._rules(messages, request)
         return prepare(
             self._weights, rules.messages, request, context=rules.context, greedy_only=rules.greedy_only,
@@ -295,7 +368,7 @@ class Lease(ABC):
         job = new_job(prepared, self._params, self._profile, self.name)
         life = self._lifetime
         life.begin("stream()" if streaming else "generate()")
-        if prepared.request.max_tokens == 0:
+        if prepared.request.max_tokens == 0 and not prepared.request.prompt_logprobs:
             return validate_only(job), job, lambda ok: life.end()  # validated: no context, no KV
         try:
             pieces, done = self._submit(prepared, job, on_text, streaming)
@@ -372,9 +445,17 @@ class Lease(ABC):
         """Where the chat template came from: ``embedded``, ``builtin:<name>`` or ``explicit``."""
         return self._weights.template.origin
 
-    def prompt_tokens(self, prompt: "str | Sequence[Mapping[str, Any]]", *, raw: bool = False) -> list[int]:
-        """The exact token ids a request with this prompt (message list, or raw text) evaluates."""
-        return prompt_token_ids(self._weights, as_raw_text(prompt) if raw else as_messages(prompt))
+    def prompt_tokens(
+        self, prompt: "str | Sequence[Mapping[str, Any]]", *, raw: bool = False, **options: Any
+    ) -> list[int]:
+        """The exact token ids a request with this prompt (message list, or raw text) evaluates; ``options``
+        are the request's (``tools``, ``chat_template_kwargs``, ``allow_special_tokens`` change the prompt)."""
+        if raw:
+            return prompt_token_ids(self._weights, as_raw_text(prompt))
+        request = request_settings(options)
+        chat = chat_input(self._weights, as_messages(prompt), request)
+        return prompt_token_ids(self._weights, chat.messages, allow_special_tokens=request.allow_special_tokens,
+                                trusted=chat.trusted, tools=chat.tools, variables=chat.variables)
 
     @property
     def adapter(self) -> "AdapterInfo | None":

@@ -29,6 +29,8 @@ from .options import REGISTRY, Registry, RequestSettings
 from .profiles import Profile
 from .runner import Job
 from .sampling import request_grammar
+from .chat_input import chat_input
+from .output import OutputFormat
 from .timings import ProfileTimings
 
 if TYPE_CHECKING:
@@ -74,7 +76,8 @@ class Prepared:
     messages: "tuple[dict[str, str], ...] | RawText"
     tokens: tuple[int, ...]
     t_call: int  # perf_counter_ns when the caller entered the request method
-    grammar: str | None = None  # the GBNF the output must match, from grammar= or json_schema=
+    grammar: str | None = None  # the GBNF the output must match, from grammar= or json_schema= (or tool_choice)
+    output: OutputFormat = OutputFormat()  # how the answer's text splits into content, reasoning and tool calls
 
 
 def as_messages(prompt: Any, *, strict_str: bool = False) -> tuple[dict[str, str], ...]:
@@ -122,8 +125,10 @@ def prompt_token_ids(
     *,
     allow_special_tokens: bool = False,
     trusted: "frozenset[int]" = frozenset(),
+    tools: "Sequence[Mapping[str, Any]] | None" = None,
+    variables: "Sequence[tuple[str, Any]]" = (),
 ) -> list[int]:
-    """The tokens a prompt evaluates.
+    """The tokens a prompt evaluates (``tools`` and ``variables``: the template's, see ``chat_input``).
 
     Messages are rendered with the chat template, which writes BOS itself when the model family
     wants one, so no special tokens are added on top. Only the template's own text may become
@@ -142,12 +147,12 @@ def prompt_token_ids(
     if isinstance(prompt, RawText):
         return native.tokenize(prompt.text, add_special=True, parse_special=True)
     template = weights.template
-    text = template.render(prompt, add_generation_prompt=True)
+    text = template.render(prompt, add_generation_prompt=True, tools=tools, variables=variables)
     whole = native.tokenize(text, add_special=False, parse_special=True)
     if allow_special_tokens or len(trusted) >= len(prompt):
         return whole
     special = native.parsed_special
-    layout = template_layout(template, prompt, trusted=trusted)
+    layout = template_layout(template, prompt, trusted=trusted, tools=tools, variables=variables)
     if layout is not None:
         # Fast path: the whole render has exactly the template pieces' control tokens, in order.
         ours = [t for piece in layout if isinstance(piece, str) for t in native.tokenize(piece) if special(t)]
@@ -201,10 +206,28 @@ def prepare(
         raise InvalidRequestError(
             f"top_k must be in 0..{weights.native.n_vocab} (the vocabulary size), got {request.top_k}", param="top_k"
         )
+    out_of_vocab = [token for token, _ in request.logit_bias if token >= weights.native.n_vocab]
+    if out_of_vocab:
+        raise InvalidRequestError(
+            f"logit_bias names token {out_of_vocab[0]}, outside the vocabulary (ids 0..{weights.native.n_vocab - 1})",
+            param="logit_bias",
+        )
     if greedy_only:
         _check_plain_greedy(request)
     grammar = request_grammar(weights.native, request)
-    tokens = prompt_token_ids(weights, messages, allow_special_tokens=request.allow_special_tokens, trusted=trusted)
+    output = OutputFormat()
+    if isinstance(messages, RawText):
+        if request.tools or request.chat_template_kwargs:
+            name = "tools" if request.tools else "chat_template_kwargs"
+            raise InvalidRequestError(f"{name} needs a chat request; a raw completion has no chat template",
+                                      param=name)
+        tokens = prompt_token_ids(weights, messages, allow_special_tokens=request.allow_special_tokens)
+    else:
+        chat = chat_input(weights, messages, request, trusted)
+        grammar = chat.grammar if chat.grammar is not None else grammar
+        output = chat.output
+        tokens = prompt_token_ids(weights, chat.messages, allow_special_tokens=request.allow_special_tokens,
+                                  trusted=chat.trusted, tools=chat.tools, variables=chat.variables)
     if not tokens:
         raise ContextOverflowError(
             "the formatted prompt is empty; a request needs at least one prompt token", param="messages"
@@ -220,7 +243,7 @@ def prepare(
             f"(nothing is truncated){context_note}",
             param="max_tokens" if room > 0 else "messages",
         )
-    return Prepared(request, messages, tuple(tokens), t_call, grammar)
+    return Prepared(request, messages, tuple(tokens), t_call, grammar, output)
 
 
 def _check_plain_greedy(request: RequestSettings) -> None:
@@ -240,7 +263,7 @@ def new_job(prepared: Prepared, params: ContextParams, profile: Profile, model_n
     """The job of a prepared request, carrying the profile's timings part."""
     job = Job(
         prompt_tokens=prepared.tokens, request=prepared.request, t_call=prepared.t_call, model_name=model_name,
-        grammar=prepared.grammar,
+        grammar=prepared.grammar, output=prepared.output,
     )
     job.add(profile_timings(params, profile))
     return job

@@ -13,6 +13,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
+from .logprobs import TokenLogprob
+from .tools import ToolCall
 from .timings import NOT_MEASURED, Timings, timing_fields
 
 __all__ = ["Timings", "Usage", "Response", "NOT_MEASURED", "output_hash", "FINISH_REASONS"]
@@ -61,12 +63,24 @@ class Response:
     usage: Usage
     timings: Timings
     model: str = ""
+    # With logprobs=True: one entry per token of ``tokens`` (a stop string's tokens included), else None.
+    logprobs: "tuple[TokenLogprob, ...] | None" = None
+    # With prompt_logprobs=True: one entry per prompt token, the first None (nothing predicts it), else None.
+    prompt_logprobs: "tuple[TokenLogprob | None, ...] | None" = None
+    # Chat answers: the text between the model's thinking markers (None: the answer had none; ``text`` is
+    # the content after them), and the tool calls it made (``text`` then holds no call markup).
+    reasoning: "str | None" = None
+    tool_calls: "tuple[ToolCall, ...]" = ()
+    # A schema-constrained answer whose output limit neared: its end was written as the shortest text that
+    # closes the JSON validly (llm/json_closing.py); finish_reason is still "length".
+    closed_early: bool = False
     output_hash: str = field(init=False)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         object.__setattr__(self, "tokens", tuple(self.tokens))
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
         object.__setattr__(self, "output_hash", output_hash(self.tokens))
 
     def tokens_per_second(self) -> float:
@@ -117,8 +131,13 @@ class Response:
         rows.append(("tokens/s", "–" if tps < 0 else f"{tps:.1f}"))
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
         text = html.escape(self.text)
+        if self.tool_calls:
+            text += "".join(f"\n→ {html.escape(c.name)}({html.escape(c.arguments)})" for c in self.tool_calls)
+        thought = "" if self.reasoning is None else (
+            "<details class='aner-reasoning'><summary>reasoning</summary>"
+            f"<pre style='white-space:pre-wrap'>{html.escape(self.reasoning)}</pre></details>")
         return (
-            f"<div class='aner-response'><pre style='white-space:pre-wrap'>{text}</pre>"
+            f"<div class='aner-response'>{thought}<pre style='white-space:pre-wrap'>{text}</pre>"
             f"<table>{body}</table></div>"
         )
 

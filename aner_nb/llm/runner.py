@@ -8,11 +8,18 @@ verified text pieces whose return value is the final :class:`Response`, so
 KV positions: the prompt occupies positions ``0..len(prompt)-1`` of sequence
 ``seq``; the first ``n_cached`` of them may already be in the KV (prefix
 reuse). Logits are requested only for rows that are sampled: the last prompt
-row during prefill and the single row of each decode step.
+row during prefill and the single row of each decode step; a request with
+``prompt_logprobs`` asks for every prompt row (in chunks whose logits stay
+under :data:`PROMPT_LOGITS_BYTES`), and ``max_tokens=0`` then only scores it.
+
+Logprobs (``logprobs=True``) are read from the row each token was chosen
+from, before the next decode overwrites it: the prompt's last row, a decode
+step's row, or each verified position's row of a speculative step.
 """
 
 from __future__ import annotations
 
+import codecs
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,16 +30,22 @@ from .errors import EngineError
 from .profiles import RequestSettings
 from .response import Response, Usage
 from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
+from .json_closing import JsonCloser
 from .lookup import DraftPolicy, NgramIndex
+from .output import OutputFormat
+from .logprobs import Piece, TokenLogprob, token_logprob
 from .sampling import new_sampler
 from .text import TextAssembler
 
 __all__ = [
-    "Job", "SequenceOutput", "PrefillCancelled", "prefill", "run_request", "unstarted_response", "validate_only",
+    "Job", "SequenceOutput", "PrefillCancelled", "PROMPT_LOGITS_BYTES", "prefill", "prefill_scored", "run_request", "unstarted_response", "validate_only",
     "validated_response",
 ]
 
 _now = time.perf_counter_ns
+# Logits bytes one prompt-scoring chunk may ask for: llama.cpp's output buffer grows to the largest
+# request and keeps that size, so a scored prompt is evaluated in chunks of at most this many bytes of logits.
+PROMPT_LOGITS_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -47,6 +60,7 @@ class Job:
     model_name: str = ""
     cancel: threading.Event = field(default_factory=threading.Event)
     grammar: str | None = None  # GBNF the output must match (from the request's grammar or json_schema)
+    output: OutputFormat = field(default_factory=OutputFormat)  # reasoning markers and tools to read from the text
     parts: list[TimingsPart] = field(default_factory=list)  # timings measured before and around the run
     result: Response | None = None
     started: bool = False  # run_request began; a job closed before that touched no KV
@@ -92,9 +106,31 @@ class SequenceOutput:
         self.speculation: SpeculationCounts | None = None  # speculative runs only
         self.t_work = _now()
         self.t_first = NOT_MEASURED
+        # logprobs=True: one entry per accepted token; those not yet sent with a piece wait in _unsent.
+        self.logprobs: list[TokenLogprob] | None = [] if job.request.logprobs else None
+        self._unsent: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        # json_schema: the answer is followed so that, when max_tokens nears, it ends in valid JSON.
+        schema = job.request.json_schema
+        self._closer = JsonCloser(schema) if schema is not None and model is not None else None
+        self._closing = self._closer.closing() if self._closer is not None else None  # fits the budget?
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._forced: list[int] = []  # the closing's token ids, once it is written
+        self.closed_early = False
 
-    def accept(self, token: int) -> str:
-        """Record one verified token; returns newly final text (possibly empty)."""
+    def score(self, ctx: NativeContext, row: int, token: int) -> TokenLogprob | None:
+        """The logprob entry of ``token`` chosen from logits ``row``; None when the request did not ask."""
+        if self.logprobs is None:
+            return None
+        assert self.model is not None
+        return token_logprob(ctx.logits(row), token, self.job.request.top_logprobs, self.model.token_bytes)
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> str:
+        """Record one verified token (and its logprob entry); returns newly final text (possibly empty).
+
+        With logprobs the text is a :class:`~aner_nb.llm.logprobs.Piece` carrying the entries of the
+        tokens accepted since the last piece.
+        """
         if self.finished:
             raise RuntimeError("accept() after the sequence finished")
         now = _now()
@@ -108,8 +144,13 @@ class SequenceOutput:
         assert self.model is not None
         if self.model.is_eog(token):
             return self._stop("stop")
+        if self._closer is not None and self._close_instead(token):
+            return self._closed()
         self.tokens.append(token)
-        piece = self.assembler.feed(self.model.token_bytes(token))
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+            self._unsent.append(logprob)
+        piece = self._carry(self.assembler.feed(self.model.token_bytes(token)))
         if self.assembler.stopped:
             self._stop("stop")
         elif len(self.tokens) >= self.job.request.max_tokens:
@@ -118,13 +159,72 @@ class SequenceOutput:
             self._stop("cancelled")
         return piece
 
+    def _fits(self, text: str, room: int) -> bool:
+        """Whether ``text`` takes at most ``room`` tokens (a token is at least one byte: count bytes first)."""
+        assert self.model is not None
+        return len(text.encode()) <= room or len(self.model.tokenize(text, parse_special=False)) <= room
+
+    def _close_instead(self, token: int) -> bool:
+        """Follow ``token`` in the JSON answer; True when its closing would no longer fit after it.
+
+        Invariant: ``_closing`` (the closing of the text before ``token``) fits the tokens left before
+        ``token``, so writing it instead always ends the answer validly within ``max_tokens``.
+        """
+        assert self._closer is not None and self.model is not None
+        before = self._closing
+        room_before = self.job.request.max_tokens - len(self.tokens)
+        text = self._utf8.decode(self.model.token_bytes(token))
+        self._closer.feed(text)
+        after = self._closer.closing()
+        if after is not None and self._utf8.getstate()[0]:
+            after = None  # half a UTF-8 character is pending: no closing can follow it yet
+        if after is not None and self._fits(after, room_before - 1):
+            self._closing = after
+            return False
+        if before is not None and after is not None:
+            ids = self._closing_ids(before)
+            if ids is not None and len(ids) <= room_before:
+                self._forced = ids
+                return True
+        self._closing = None  # no closing is known from here (a pattern string begun): cut as before
+        return False
+
+    def _closing_ids(self, text: str) -> list[int] | None:
+        """Token ids whose bytes are exactly ``text`` (a tokenizer that adds a space prefix is tokenized
+        one character at a time instead); None when no such ids are found."""
+        assert self.model is not None
+        want = text.encode()
+        for ids in (self.model.tokenize(text, parse_special=False),
+                    [t for ch in text for t in self.model.tokenize(ch, parse_special=False)]):
+            if b"".join(self.model.token_bytes(t) for t in ids) == want:
+                return ids
+        return None
+
+    def _closed(self) -> str:
+        """Write the closing instead of the token that would leave no room for it; the answer ends here."""
+        assert self.model is not None
+        ids = self._forced
+        pieces = [self.assembler.feed(self.model.token_bytes(t)) for t in ids]
+        self.tokens.extend(ids)
+        self.generated_tokens += len(ids) - 1  # the replaced token was counted already
+        self.closed_early = True
+        self._stop("length")
+        return self._carry("".join(pieces))
+
     def _stop(self, reason: str) -> str:
         self.finished, self.reason = True, reason
         return ""
 
+    def _carry(self, piece: str) -> str:
+        """``piece`` with the logprobs not yet sent (a plain str without logprobs, or when empty)."""
+        if not piece or not self._unsent:
+            return piece
+        carried, self._unsent = Piece(piece, self._unsent), []
+        return carried
+
     def tail(self) -> str:
         """Text held back for a possible stop string, released at the end."""
-        return self.assembler.finish()
+        return self._carry(self.assembler.finish())
 
     def run_timings(self) -> RunTimings:
         return RunTimings(
@@ -141,14 +241,16 @@ class SequenceOutput:
     def response(self, reason: str | None = None) -> Response:
         """Build (and record on the job) the final Response."""
         job = self.job
-        text = self.assembler.text
+        split = job.output.split(self.assembler.text)  # the content without reasoning or call markup
         parts = list(job.parts)
         if self.speculation is not None:
             c = self.speculation
             parts.append(SpeculativeTimings(c.proposed, c.accepted, c.verification_steps))
         timings = Timings.assemble(*parts, self.run_timings())  # the total is taken last: the response is ready
         response = Response(
-            text=text,
+            text=split.content,
+            reasoning=split.reasoning,
+            tool_calls=split.tool_calls,
             tokens=tuple(self.tokens),
             finish_reason=reason or self.reason,
             usage=Usage(
@@ -158,6 +260,9 @@ class SequenceOutput:
             ),
             timings=timings,
             model=job.model_name,
+            logprobs=None if self.logprobs is None else tuple(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+            closed_early=self.closed_early,
         )
         job.result = response
         return response
@@ -217,6 +322,39 @@ def prefill(
     return calls
 
 
+def prefill_scored(
+    ctx: NativeContext, batch: Batch, tokens: Sequence[int], seq: int, out: SequenceOutput,
+    *, cancel: threading.Event | None = None,
+) -> int:
+    """Evaluate the whole prompt from position 0 with logits on every row, recording its logprobs in ``out``.
+
+    Position ``p``'s entry comes from the row of position ``p - 1`` (the
+    first token has none: ``None``); the last row's logits stay for the
+    first sampled token. Chunks are at most ``n_batch`` rows and at most
+    :data:`PROMPT_LOGITS_BYTES` of logits. Returns the llama_decode calls.
+    """
+    model = out.model
+    assert model is not None
+    k = out.job.request.top_logprobs
+    rows = max(1, min(batch.capacity, PROMPT_LOGITS_BYTES // (4 * model.n_vocab)))
+    entries: list[TokenLogprob | None] = [None]
+    calls = 0
+    for lo in range(0, len(tokens), rows):
+        if cancel is not None and cancel.is_set():
+            raise PrefillCancelled(lo)
+        hi = min(lo + rows, len(tokens))
+        batch.clear()
+        batch.add_run(tokens[lo:hi], lo, seq, all_outputs=True)
+        calls += 1
+        if ctx.decode(batch) == DECODE_NO_KV_SLOT:
+            raise EngineError(f"no KV slot for prompt tokens {lo}..{hi - 1} (context {ctx.n_ctx})")
+        for i in range(hi - lo):
+            if lo + i + 1 < len(tokens):
+                entries.append(token_logprob(ctx.logits(i), tokens[lo + i + 1], k, model.token_bytes))
+    out.prompt_logprobs = entries
+    return calls
+
+
 def run_request(
     model: NativeModel, ctx: NativeContext, batch: Batch, job: Job, *, speculative_tokens: int = 0
 ) -> Generator[str, None, Response]:
@@ -238,6 +376,8 @@ def run_request(
     request, prompt = job.request, job.prompt_tokens
     if not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
+    if request.prompt_logprobs and job.n_cached:
+        raise ValueError("prompt_logprobs scores the whole prompt: nothing of it may come from a cache")
     if speculative_tokens and not request.plain_argmax:
         raise ValueError("prompt-lookup speculation verifies plain greedy choices only")
     sampler = new_sampler(model, request, job.grammar, prompt)
@@ -249,11 +389,14 @@ def run_request(
     try:
         if not _evaluate_prompt(ctx, batch, job, out):
             return out.response("cancelled")
+        if request.max_tokens == 0:  # prompt_logprobs: the prompt was scored, nothing is generated
+            return out.response("length")
         row = batch.n_tokens - 1
         verified = [ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)]
+        scores = [out.score(ctx, row, verified[0])]
         pos = len(prompt)  # KV position of ``verified[-1]``, which is sampled but not yet evaluated
         while True:
-            yield from _accept(out, verified)
+            yield from _accept(out, verified, scores)
             if out.finished:
                 break
             if index is not None:
@@ -262,9 +405,11 @@ def run_request(
             _decode(ctx, batch, out, verified[-1], pos, drafts)
             if drafts:
                 verified = _verify(ctx, drafts)
+                scores = [out.score(ctx, i, token) for i, token in enumerate(verified)]  # row i chose token i
                 pos = _keep_accepted(ctx, out, policy, pos, drafts, len(verified) - 1)
             else:
                 verified = [ctx.greedy(0) if sampler is None else sampler.sample(ctx, 0)]
+                scores = [out.score(ctx, 0, verified[0])]
                 pos += 1
     except (GeneratorExit, KeyboardInterrupt):
         out.response("cancelled")
@@ -282,7 +427,10 @@ def _evaluate_prompt(ctx: NativeContext, batch: Batch, job: Job, out: SequenceOu
     """Prefill the uncached prompt, timed into ``out``; False when it was cancelled before the end."""
     t0 = _now()
     try:
-        prefill(ctx, batch, job.prompt_tokens, job.n_cached, job.seq, cancel=job.cancel)
+        if job.request.prompt_logprobs:
+            prefill_scored(ctx, batch, job.prompt_tokens, job.seq, out, cancel=job.cancel)
+        else:
+            prefill(ctx, batch, job.prompt_tokens, job.n_cached, job.seq, cancel=job.cancel)
     except PrefillCancelled as stopped:  # cancelled before (or while) its prompt was evaluated
         out.prompt_eval_duration = _now() - t0
         out.evaluated_prompt_tokens = stopped.evaluated
@@ -291,10 +439,12 @@ def _evaluate_prompt(ctx: NativeContext, batch: Batch, job: Job, out: SequenceOu
     return True
 
 
-def _accept(out: SequenceOutput, verified: Sequence[int]) -> Iterator[str]:
-    """Accept the verified tokens in order, yielding their text, until the sequence finishes."""
-    for token in verified:
-        piece = out.accept(token)
+def _accept(
+    out: SequenceOutput, verified: Sequence[int], scores: Sequence[TokenLogprob | None]
+) -> Iterator[str]:
+    """Accept the verified tokens (with their logprob entries) in order, yielding their text, until the end."""
+    for token, score in zip(verified, scores):
+        piece = out.accept(token, score)
         if piece:
             yield piece
         if out.finished:

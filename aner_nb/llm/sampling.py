@@ -23,6 +23,7 @@ from ._engine import GrammarError, NativeModel, Sampler, SamplerChain, check_gra
 from .constraints import check_grammar_text
 from .errors import InvalidRequestError
 from .profiles import RequestSettings
+from .tools import Tool, call_grammar, call_schema
 
 __all__ = [
     "UNSUPPORTED_SCHEMA_KEYWORDS",
@@ -30,6 +31,7 @@ __all__ = [
     "new_sampler",
     "unsupported_schema_keywords",
     "request_grammar",
+    "tool_grammar",
 ]
 
 # JSON-schema keywords the grammar converter cannot enforce (it would drop them without a word).
@@ -49,7 +51,7 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 def sampler_chain(request: RequestSettings, grammar: str | None) -> SamplerChain | None:
     """The chain a request samples with, or None when the plain argmax of the logits is exact."""
-    if request.plain_argmax:  # greedy, no penalty, no grammar or schema
+    if request.plain_argmax:  # greedy, no penalty, no grammar or schema, no logit bias
         return None
     penalized = request.penalized
     return SamplerChain(
@@ -63,6 +65,7 @@ def sampler_chain(request: RequestSettings, grammar: str | None) -> SamplerChain
         penalty_repeat=request.repeat_penalty,
         penalty_freq=request.frequency_penalty,
         penalty_present=request.presence_penalty,
+        logit_bias=request.logit_bias,
     )
 
 
@@ -124,4 +127,27 @@ def request_grammar(model: NativeModel, request: RequestSettings) -> str | None:
         check_grammar(model, grammar)
     except GrammarError as exc:
         raise InvalidRequestError(f"{param}: {exc}", param=param) from None
+    return grammar
+
+
+def tool_grammar(model: NativeModel, tools: "Sequence[Tool]", fmt: str, *, parallel: bool) -> str:
+    """The GBNF of an answer that must call one of ``tools`` (``tool_choice`` required or named) in the
+    family's format ``fmt``, its arguments following the tool's parameters schema."""
+    for i, tool in enumerate(tools):
+        bad = unsupported_schema_keywords(tool.parameters)
+        if bad:
+            raise InvalidRequestError(
+                f"tools[{i}].function.parameters uses what constrained decoding cannot enforce ({', '.join(bad)}); "
+                "use tool_choice='auto' for this tool", param=f"tools[{i}].function.parameters"
+            )
+    try:
+        rules = json_schema_grammar(json.dumps(call_schema(tools, fmt)))
+    except (GrammarError, TypeError, ValueError, RecursionError) as exc:
+        raise InvalidRequestError(f"tools: the parameters schemas are not usable: {exc}", param="tools") from None
+    grammar = call_grammar(rules, fmt, parallel=parallel)
+    check_grammar_text(grammar, param="tools")
+    try:
+        check_grammar(model, grammar)
+    except GrammarError as exc:
+        raise InvalidRequestError(f"tools: {exc}", param="tools") from None
     return grammar

@@ -461,7 +461,7 @@ class Scheduler:
         out = r.out
         try:
             token = self._ctx.greedy(row) if r.sampler is None else r.sampler.sample(self._ctx, row)
-            piece = out.accept(token)
+            piece = out.accept(token, out.score(self._ctx, row, token))  # logprobs from this row (if asked)
             if piece:
                 r.deliver(piece)
             if out.finished:

@@ -103,6 +103,8 @@ class Session(Lease):
         raise UnsupportedFeatureError("a session keeps its own conversation: use send(text), not chat(messages)")
 
     # -- requests: the protocol's two steps ---------------------------------------
+    _scores_prompts = False  # a turn evaluates only what the kept history lacks
+
     def _rules(self, messages: "tuple[dict[str, str], ...] | RawText", request: RequestSettings) -> RequestRules:
         """One user turn after the history, within the session's context."""
         if isinstance(messages, RawText):

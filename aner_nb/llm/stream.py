@@ -11,6 +11,7 @@ import threading
 import weakref
 from typing import Callable, Generator, Iterator
 
+from .output import OutputFormat
 from .response import Response
 from .runner import Job
 
@@ -84,6 +85,12 @@ class Stream(Iterator[str]):
     @property
     def response(self) -> Response | None:
         return self._driver.job.result
+
+    @property
+    def output_format(self) -> OutputFormat:
+        """How this request's text splits into content, reasoning and tool calls (for a consumer that
+        shows them apart while it streams: :class:`~aner_nb.llm.output.OutputSplitter`)."""
+        return self._driver.job.output
 
     @property
     def done(self) -> bool:

@@ -23,7 +23,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..widgets.answer import answer_html
+from ..llm.output import OutputSplitter
+from ..widgets.answer import answer_html, reasoning_html, response_html
 from ..widgets.timings import response_panel, timings_line
 
 __all__ = ["make_view", "UpdatingView", "PrintView", "FinalView", "NullView", "TIMINGS", "compact_line", "answer"]
@@ -31,10 +32,12 @@ __all__ = ["make_view", "UpdatingView", "PrintView", "FinalView", "NullView", "T
 TIMINGS = ("full", "compact", "off")  # what follows an answer: the dashboard, one line, nothing
 
 
-def _bundle(text: str, status: str, format: str = "text", source: str | None = None) -> dict[str, str]:
-    """The in-progress (or failed) view: the text so far and a status line naming the handle."""
+def _bundle(text: str, status: str, format: str = "text", source: str | None = None,
+            reasoning: str | None = None) -> dict[str, str]:
+    """The in-progress (or failed) view: the text so far (a reasoning model's thinking so far collapsed
+    above it) and a status line naming the handle."""
     status = f"{source}: {status}" if source is not None else status
-    shown = answer_html(text, "text" if format == "json" else format)  # partial JSON never parses
+    shown = reasoning_html(reasoning) + answer_html(text, "text" if format == "json" else format)  # partial JSON never parses
     return {
         "text/plain": f"{text}\n[{status}]",
         "text/html": f"<div class='aner-stream'>{shown}<small>{html.escape(status)}</small></div>",
@@ -65,7 +68,7 @@ def answer(response: Any, *, format: str = "text", source: str | None = None, ti
     small = f"<small class='aner-timings-line'>{html.escape(note)}</small>" if note else ""
     return _Bundle({
         "text/plain": f"{response.text}\n[{note}]" if note else response.text,
-        "text/html": f"<div class='aner-response'>{answer_html(response.text, format)}{small}</div>",
+        "text/html": f"<div class='aner-response'>{response_html(response, format)}{small}</div>",
     })
 
 
@@ -95,6 +98,8 @@ class UpdatingView:
         self.timings = timings
         self.clock = clock
         self.pieces: list[str] = []
+        self.thought: list[str] | None = None  # a reasoning model's thinking so far (with a splitter)
+        self.splitter: OutputSplitter | None = None  # set by the caller when the answer holds reasoning
         self.updates = 0  # in-place updates sent while streaming (tests check the throttle)
         self._handle: Any = None
         self._last = 0.0
@@ -110,7 +115,14 @@ class UpdatingView:
         self._last = self.clock()
 
     def add(self, piece: str) -> None:
-        self.pieces.append(piece)
+        if self.splitter is None:
+            self.pieces.append(piece)
+        else:
+            for channel, text in self.splitter.feed(piece):
+                if channel == "reasoning":
+                    self.thought = [*(self.thought or []), text]
+                else:
+                    self.pieces.append(text)
         now = self.clock()
         if now - self._last >= self.interval:
             self._last = now
@@ -118,7 +130,8 @@ class UpdatingView:
             self._handle.update(self._bundle("generating..."), raw=True)
 
     def _bundle(self, status: str) -> dict[str, str]:
-        return _bundle(self.text, status, self.format, self.source)
+        thought = None if self.thought is None else "".join(self.thought)
+        return _bundle(self.text, status, self.format, self.source, thought)
 
     def finish(self, response: Any, *, cancelled: bool = False) -> None:
         if self._handle is None:

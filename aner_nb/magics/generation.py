@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
+from ..llm.output import OutputSplitter
 from ..widgets.chat import ChatBox, chat_box
 from .base import TARGET, MagicsBase, library_errors
 from .cells import request_flags, request_options, request_settings, request_usage, stream_into
@@ -214,6 +215,9 @@ class GenerationMagics(MagicsBase):
             stream = start(settings=settings)
         view = make_view(args.display or self.display, interval=self.stream_interval, terminal=self._terminal(),
                          format=args.format or self.format, source=source, timings=self.timings)
+        fmt = getattr(stream, "output_format", None)
+        if hasattr(view, "splitter") and fmt is not None and fmt.markers is not None:
+            view.splitter = OutputSplitter(fmt)  # the thinking streams collapsed above the answer
         response, cancelled = stream_into(view, stream)
         del stream
         if response is not None:

@@ -1,4 +1,4 @@
-"""``%llm models``, ``info``, ``kv`` and ``bench``: looking at models and handles, and comparing two.
+"""``%llm models``, ``info``, ``kv``, ``embed`` and ``bench``: looking at models and handles, and comparing two.
 
 The tables are the pure functions of :mod:`aner_nb.magics.tables` (and
 :func:`aner_nb.llm.models`), so each has a one-call Python equivalent.
@@ -65,6 +65,41 @@ class InspectionMagics(MagicsBase):
             "kv", args.target, lambda h: kv_table(h, context=args.context, kv_cache_type=args.kv_cache_type,
                                                   slots=args.slots)
         )
+
+    @subcommand(
+        "embed",
+        usage="%llm embed NAME [TEXT ...] [--from VAR] [--pooling P] [--no-normalize] [--as VAR]",
+        description="Sentence embeddings of the TEXTs (quote each), or of the str or list of str in --from VAR, "
+        "as a float32 array of one row per text; it goes to --as VAR and _. Pooling: the model's own, else mean.",
+        python="VAR = NAME.embed([TEXT, ...], pooling=P, normalize=True)",
+    )
+    @argument("target", metavar="NAME", help="the handle (a lease)")
+    @argument("texts", metavar="TEXT", nargs="*", help="a text to embed (repeatable)")
+    @argument("--from", dest="source", metavar="VAR", help="embed this variable's str or list of str")
+    @argument("--pooling", choices=("mean", "cls", "last"), help="default: the model's own, else mean")
+    @argument("--no-normalize", dest="normalize", action="store_false", help="keep the vectors' lengths")
+    @argument("--as", dest="var", metavar="VAR", help="also store the array in this variable")
+    def _llm_embed(self, args: Any) -> None:
+        prog = "%llm embed"
+        if args.var is not None:
+            check_name(args.var, prog, "--as")
+        texts: Any = list(args.texts)
+        if args.source is not None:
+            if texts:
+                raise UsageError(f"{prog}: give TEXTs or --from VAR, not both")
+            if args.source not in self.ns:
+                raise UsageError(f"{prog}: --from {args.source}: no such variable")
+            texts = self.ns[args.source]
+        elif not texts:
+            raise UsageError(f"{prog}: give at least one TEXT (quoted) or --from VAR")
+        handle = self._handle(args.target, prog)
+        with library_errors(prog):
+            vectors = handle.embed(texts, pooling=args.pooling, normalize=args.normalize)
+        norm = "normalized" if args.normalize else "not normalized"
+        stored = f" -> {args.var} and _" if args.var else " -> _"
+        print(f"{prog} {args.target}: array of shape {vectors.shape}, float32, "
+              f"{args.pooling or 'the model pooling'}, {norm}{stored}")
+        self._result(vectors, args.var)
 
     @subcommand(
         "bench",

@@ -124,6 +124,7 @@ class LLMMagics(LoadingMagics, GenerationMagics, ServingMagics, InspectionMagics
     _llm_chat = GenerationMagics._llm_chat
     _llm_info = InspectionMagics._llm_info
     _llm_kv = InspectionMagics._llm_kv
+    _llm_embed = InspectionMagics._llm_embed
     _llm_close = LoadingMagics._llm_close
     _llm_serve = ServingMagics._llm_serve
     _llm_stop = ServingMagics._llm_stop

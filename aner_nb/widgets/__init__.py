@@ -14,7 +14,8 @@ package uses :mod:`aner_nb.llm`; the library never imports it.
 * :func:`batching_monitor` live counters of a batching lease (protocol in
   :mod:`aner_nb.widgets.batching`) and per-request latencies;
 * :func:`bench_plot` paired benchmark medians with min/max whiskers;
-* :func:`chat_box` a conversation on a session: transcript, input, Send and Stop.
+* :func:`chat_box` a conversation on a session: transcript, input, Send and Stop;
+* :func:`logprobs_view` a response's tokens coloured by probability, the alternatives on hover.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .batching import STATS_FIELDS, BatchingMonitor, MonitorSnapshot, batching_m
 from .bench_plot import BenchPlot, bench_frame, bench_plot
 from .chat import ChatBox, chat_box
 from .kv_budget import DEFAULT_BUDGET_BYTES, KVBudget, KVFacts, kv_budget, kv_facts
+from .logprobs import LogprobsView, logprobs_view
 from .speculative import SpeculativePanel, SpeculativeStats, speculative_panel, speculative_stats
 from .timings import ResponsePanel, TimingsPanel, response_panel, segments_ns, timings_frame, timings_panel
 
@@ -56,4 +58,6 @@ __all__ = [
     "bench_plot",
     "bench_frame",
     "BenchPlot",
+    "logprobs_view",
+    "LogprobsView",
 ]

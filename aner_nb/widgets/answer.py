@@ -17,7 +17,7 @@ import html
 import json
 import re
 
-__all__ = ["FORMATS", "check_format", "answer_html", "json_answer", "code_answer"]
+__all__ = ["FORMATS", "check_format", "answer_html", "response_html", "reasoning_html", "json_answer", "code_answer"]
 
 FORMATS = ("markdown", "text", "code", "json")
 
@@ -85,3 +85,20 @@ def answer_html(text: str, format: str = "text") -> str:
         return _pre(text) + f"<small>not valid JSON: {html.escape(error)}</small>"
     check_format(format)
     return _pre(text)
+
+
+def reasoning_html(reasoning: "str | None") -> str:
+    """A reasoning model's thinking, collapsed (an HTML ``<details>``); empty when there was none."""
+    if reasoning is None:
+        return ""
+    return ("<details class='aner-reasoning'><summary>reasoning</summary>"
+            f"{_pre(reasoning)}</details>")
+
+
+def response_html(response: object, format: str = "text") -> str:
+    """A Response's answer as HTML: its reasoning collapsed above the text, its tool calls below it."""
+    text = answer_html(getattr(response, "text", ""), format)
+    calls = getattr(response, "tool_calls", ())
+    if calls:
+        text += _pre("\n".join(f"→ {c.name}({c.arguments})" for c in calls), "aner-tool-calls")
+    return reasoning_html(getattr(response, "reasoning", None)) + text

@@ -22,7 +22,7 @@ from ..llm.response import Response
 from ..llm.stream import Stream
 from ..llm.timings import timing_fields
 from ._static import StaticView, figure_png, fmt_count, fmt_ms, frame_html, measured, new_figure
-from .answer import answer_html, check_format
+from .answer import check_format, response_html
 
 __all__ = [
     "SEGMENTS",
@@ -312,7 +312,7 @@ class ResponsePanel(StaticView):
         return f"<div class='aner-source'><small>answered by <code>{html.escape(self.source)}</code></small></div>"
 
     def _text_html(self) -> str:
-        return answer_html(self.response.text, self.format)
+        return response_html(self.response, self.format)
 
     def _repr_html_(self) -> str:
         return f"<div class='aner-response'>{self._source_html()}{self._text_html()}{self.timings._repr_html_()}</div>"
