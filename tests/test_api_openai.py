@@ -151,3 +151,39 @@ def test_structured_output_on_every_route(url):
                                                                         "json_schema": {"name": "v", "schema": SCHEMA}}})
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1])
     assert set(json.loads(text)) == {"ok", "color"}
+
+
+# -- unknown fields: strict by default, lenient on request --------------------------------------------------
+def test_lenient_fields_ignore_unknown_ones_and_name_them_in_a_header(batching, base):  # noqa: F811
+    body = {"messages": [CHAT], "max_tokens": 6, "temperature": 0, "typical_p": 0.3, "mirostat": 2}
+    with serving(service(batching, max_tokens=16).fields(lenient=True)) as server:
+        r = post(server.url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-aner-ignored-fields"] == "mirostat,typical_p"
+        assert r.json()["choices"][0]["message"]["content"] == base.chat([CHAT], max_tokens=6).text
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "The harbour", "max_tokens": 3, "stream": True, "top_a": 1}) as s:
+            assert s.status_code == 200 and s.headers["x-aner-ignored-fields"] == "top_a"
+            s.read()
+        plain = post(server.url, "/v1/chat/completions", {"messages": [CHAT], "max_tokens": 2})
+        assert plain.status_code == 200 and "x-aner-ignored-fields" not in plain.headers
+        refused = post(server.url, "/v1/chat/completions", {**body, "n": 10**6})  # known fields are still checked
+        assert refused.status_code in (400, 422) and "n" in refused.text
+    with serving(service(batching, max_tokens=16)) as server:
+        strict = post(server.url, "/v1/chat/completions", body)
+    assert strict.status_code == 400 and strict.json()["error"]["param"] in ("mirostat", "typical_p")
+
+
+def test_a_schema_answer_closed_at_the_limit_says_so(url, base):  # noqa: F811
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green"]}}},
+              "required": ["tags"]}
+    format_ = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    limit = len(base.tokenize('{"tags":[]}')) + 6
+    seen = set()
+    for seed in range(6):
+        choice = post(url, "/v1/chat/completions", {"messages": [CHAT], "max_tokens": limit, "seed": seed,
+                                                    "response_format": format_}).json()["choices"][0]
+        assert isinstance(json.loads(choice["message"]["content"])["tags"], list)
+        seen.add(choice.get("closed_early", False))
+        assert not choice.get("closed_early") or choice["finish_reason"] == "length"
+    assert True in seen  # at this limit the random fixture's arrays are cut, and closed

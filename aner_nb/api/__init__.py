@@ -251,6 +251,15 @@ class App:
                                      f"(0 = off), got {keepalive_s!r}", param="keepalive_s")
         return self._configure(sse_keepalive_s=float(keepalive_s))
 
+    def fields(self, *, lenient: bool = False) -> "App":
+        """Unknown fields on the OpenAI routes: a 400 naming the field (the default, strict), or with
+        ``lenient=True`` ignored and listed in the answer's ``X-Aner-Ignored-Fields`` header, for clients
+        that send other servers' ``extra_body`` knobs. A known field this service cannot honour (``n`` over
+        its bound, an unsupported value) is refused either way."""
+        if not isinstance(lenient, bool):
+            raise ConfigurationError(f"lenient must be True or False, got {lenient!r}", param="lenient")
+        return self._configure(lenient_fields=lenient)
+
     def cors(self, *, origins: Iterable[str] = ()) -> "App":
         """Let browser pages from ``origins`` (``https://host[:port]``, or ``*`` for any) call the service.
 

@@ -64,6 +64,7 @@ class Call:
     renames: Mapping[str, str] = field(default_factory=dict)  # library option -> route field
     n: int = 1  # choices (OpenAI's ``n``); choice i runs with seed + i
     echo: bool = False  # /v1/completions: the prompt goes before the answer's text
+    ignored: tuple[str, ...] = ()  # unknown fields a lenient service ignored (named in a response header)
 
     @property
     def seed(self) -> int:
@@ -151,18 +152,18 @@ def legacy_logprobs_options(body: Any) -> dict[str, Any]:
     return out
 
 
-def chat_call(body: BaseModel, max_tokens_cap: int) -> Call:
+def chat_call(body: BaseModel, max_tokens_cap: int, lenient: bool = False) -> Call:
     """A ``/v1/chat/completions`` body as a library call (400 for a field it cannot honour)."""
-    refuse_unsupported(_given(body), CHAT_FIELDS, "/v1/chat/completions")
+    ignored = refuse_unsupported(_given(body), CHAT_FIELDS, "/v1/chat/completions", lenient=lenient)
     b: Any = body
     options = openai_options(b, CHAT_ROUTE, max_tokens_cap)
     return Call([m.plain() for m in b.messages], options, frozenset(type(body).model_fields), "messages",
-                "/v1/chat/completions", renames=_OPENAI_RENAMES, n=b.n or 1)
+                "/v1/chat/completions", renames=_OPENAI_RENAMES, n=b.n or 1, ignored=ignored)
 
 
-def completion_call(body: BaseModel, max_tokens_cap: int) -> Call:
+def completion_call(body: BaseModel, max_tokens_cap: int, lenient: bool = False) -> Call:
     """A ``/v1/completions`` body as a raw-text library call (400 for a field it cannot honour)."""
-    refuse_unsupported(_given(body), COMPLETION_FIELDS, "/v1/completions")
+    ignored = refuse_unsupported(_given(body), COMPLETION_FIELDS, "/v1/completions", lenient=lenient)
     b: Any = body
     prompt = b.prompt
     if isinstance(prompt, list):
@@ -176,4 +177,4 @@ def completion_call(body: BaseModel, max_tokens_cap: int) -> Call:
                        param="echo", code="unsupported_parameter")
     return Call(prompt, openai_options(b, COMPLETIONS_ROUTE, max_tokens_cap), frozenset(type(body).model_fields), "prompt",
                 "/v1/completions", raw=True, renames={**_OPENAI_RENAMES, "prompt_logprobs": "echo"}, n=b.n or 1,
-                echo=bool(b.echo))
+                echo=bool(b.echo), ignored=ignored)

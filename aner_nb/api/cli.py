@@ -187,6 +187,9 @@ OPTIONS: tuple[Option, ...] = (
            "idle one is closed to make room (0: 4 x the requests admitted at once + 32)", "N"),
     Option("log_level", str, "warning", "log level of the server and the library", choices=LOG_LEVELS),
     Option("access_log", _flag, False, "log one line per request", kind="switch"),
+    Option("lenient_fields", _flag, False, "ignore unknown fields on the OpenAI routes (named in the answer's "
+           "X-Aner-Ignored-Fields header) instead of answering 400, for clients that send other servers' "
+           "extra_body knobs", kind="switch"),
 )
 
 
@@ -305,6 +308,7 @@ def check(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
         .allowed_hosts(args.allowed_hosts)
         .connections(max_per_client=args.max_connections_per_client, max_total=args.max_connections or None)
         .logs(level=args.log_level, access_log=args.access_log)
+        .fields(lenient=args.lenient_fields)
     )
     return builder, token
 

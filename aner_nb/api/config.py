@@ -38,6 +38,7 @@ class ServiceConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the service; none by default
     body_timeout_s: float = 30.0  # a request body still arriving this long after its head is answered 408
     registry: Registry = REGISTRY  # the request options the bodies declare (tests build their own)
+    lenient_fields: bool = False  # unknown OpenAI fields ignored (listed in IGNORED_FIELDS_HEADER), not a 400
 
     @property
     def authenticated(self) -> bool:

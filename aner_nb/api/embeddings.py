@@ -19,12 +19,13 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.responses import Response
 from typing_extensions import Annotated
 
 from ..llm import errors as llm_errors
 from ..llm.embeddings import MAX_INPUTS
 from .errors import ApiError
-from .openai_fields import EMBEDDING_FIELDS, EMBEDDINGS_ROUTE, refuse_unsupported
+from .openai_fields import EMBEDDING_FIELDS, EMBEDDINGS_ROUTE, IGNORED_FIELDS_HEADER, refuse_unsupported
 
 __all__ = ["EmbeddingRequest", "EmbeddingList", "TokenizeRequest", "TokenizeAnswer", "DetokenizeRequest",
            "DetokenizeAnswer", "endpoints"]
@@ -122,8 +123,11 @@ def _as_input_param(exc: BaseException) -> BaseException:
 def endpoints(service: Any) -> dict[str, Callable[..., Any]]:
     """The three endpoints on ``service`` (a ``service.Service``), by route name."""
 
-    async def embeddings(body: EmbeddingRequest) -> EmbeddingList:
-        refuse_unsupported(dict(body.model_extra or {}), EMBEDDING_FIELDS, EMBEDDINGS_ROUTE)
+    async def embeddings(body: EmbeddingRequest, reply: Response) -> EmbeddingList:
+        ignored = refuse_unsupported(dict(body.model_extra or {}), EMBEDDING_FIELDS, EMBEDDINGS_ROUTE,
+                                     lenient=service.config.lenient_fields)
+        if ignored:
+            reply.headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
         mount = service.mount_for(body.model)
         model = mount.model
         if not model.closed:  # a closed model is answered 503 when the work is admitted

@@ -39,7 +39,7 @@ from .errors import ApiError
 
 __all__ = [
     "HONOURED", "EXTENSION", "IGNORED", "REJECTED", "FieldPolicy", "CHAT_FIELDS", "COMPLETION_FIELDS",
-    "route_fields", "refuse_unsupported", "field_table", "render_doc", "MAX_CHOICES",
+    "route_fields", "refuse_unsupported", "IGNORED_FIELDS_HEADER", "field_table", "render_doc", "MAX_CHOICES",
     "EMBEDDINGS_ROUTE", "EMBEDDING_FIELDS", "embedding_field_table", "render_embeddings_doc",
 ]
 
@@ -154,20 +154,30 @@ EMBEDDING_FIELDS: dict[str, FieldPolicy] = {p.name: p for p in (
 )}
 
 
-def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy], route: str) -> None:
+IGNORED_FIELDS_HEADER = "X-Aner-Ignored-Fields"  # lenient fields: the unknown fields an answer ignored
+
+
+def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy], route: str,
+                       *, lenient: bool = False) -> tuple[str, ...]:
     """Raise a 400 :class:`ApiError` for the first field of ``given`` that ``table`` rejects or does not know.
 
     ``given`` is what the client sent (the fields it set, with their values);
-    ``route`` names the route in the message.
+    ``route`` names the route in the message. With ``lenient`` an unknown
+    field is not an error: the unknown names are returned (sorted) instead.
     """
+    ignored = []
     for name, value in given.items():
         policy = table.get(name)
         if policy is None:
+            if lenient:
+                ignored.append(name)
+                continue
             raise ApiError(400, f"unknown parameter {name!r}: {route} does not define it (see docs/openai.md)",
                            param=name, code="unknown_parameter")
         if policy.refuses(value):
             raise ApiError(400, f"{name} is not supported by this service ({policy.note})",
                            param=name, code="unsupported_parameter")
+    return tuple(sorted(ignored))
 
 
 # -- docs/openai.md -----------------------------------------------------------------------------------------

@@ -165,6 +165,8 @@ class _Answer(_OpenAIObject):
             choice = cls._choice(response)
             choice.index = index
             cls._score(choice, response, echo)
+            if response.closed_early:
+                choice.closed_early = True
             choices.append(choice)
         first = responses[0]
         usage = dataclasses.replace(first.usage, completion_tokens=sum(r.usage.completion_tokens for r in responses))
@@ -242,7 +244,21 @@ def chat_finish_reason(response: Response) -> str:
     return "tool_calls" if response.tool_calls and response.finish_reason == "stop" else response.finish_reason
 
 
-class Choice(BaseModel):
+class _ClosedEarly(BaseModel):
+    """A choice's ``closed_early`` (not OpenAI's): shown only when a schema-constrained answer neared its
+    output limit and was ended by the shortest valid JSON (``finish_reason`` is then ``length``)."""
+
+    closed_early: Optional[bool] = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: Any) -> Any:
+        out = handler(self)
+        if not out.get("closed_early"):
+            out.pop("closed_early", None)
+        return out
+
+
+class Choice(_ClosedEarly):
     index: int
     message: CompletionMessage
     finish_reason: FinishReason
@@ -334,7 +350,7 @@ class ChatCompletionChunk(_Chunk):
         return out
 
 
-class TextChoice(BaseModel):
+class TextChoice(_ClosedEarly):
     index: int
     text: str
     finish_reason: Optional[FinishReason] = None

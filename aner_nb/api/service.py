@@ -32,6 +32,7 @@ from ..llm import errors as llm_errors
 from .config import ServiceConfig
 from . import embeddings as embedding_routes
 from .calls import Call, chat_call, completion_call, seed_call
+from .openai_fields import IGNORED_FIELDS_HEADER
 from . import choices
 from ..llm.output import OutputSplitter
 from .schemas import chat_finish_reason
@@ -268,7 +269,7 @@ def seed_endpoint(service: Service, mount: Mount, body_model: type) -> Callable[
 class OpenAIRoute:
     """How one OpenAI route parses its body and shapes its answer."""
 
-    make_call: Callable[[Any, int], Call]  # body, the service's max_tokens -> Call (400 for what it refuses)
+    make_call: Callable[[Any, int, bool], Call]  # body, max_tokens cap, lenient -> Call (400 for what it refuses)
     answer: Any  # the whole answer's model: ChatCompletion or TextCompletion (``of(envelope, response)``)
     chunks: Any  # the streamed chunks' model: ChatCompletionChunk or TextCompletionChunk
     id_prefix: str  # of the answer's id: chatcmpl-..., cmpl-...
@@ -278,12 +279,20 @@ CHAT_COMPLETIONS = OpenAIRoute(chat_call, ChatCompletion, ChatCompletionChunk, "
 COMPLETIONS = OpenAIRoute(completion_call, TextCompletion, TextCompletionChunk, "cmpl")
 
 
+def _ignoring(response: Response, call: Call) -> Response:
+    """``response`` (a stream, or the answer's injected headers) naming the unknown fields a lenient
+    service ignored; no header when none were."""
+    if call.ignored:
+        response.headers[IGNORED_FIELDS_HEADER] = ",".join(call.ignored)
+    return response
+
+
 def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> Callable[..., Any]:
     """``POST /v1/chat/completions`` or ``/v1/completions``: answered whole, or streamed as SSE chunks."""
 
-    async def openai_completion(body: body_model, request: Request) -> Any:  # type: ignore[valid-type]
+    async def openai_completion(body: body_model, request: Request, reply: Response) -> Any:  # type: ignore[valid-type]
         mount = service.mount_for(body.model)
-        call = route.make_call(body, service.config.max_tokens)
+        call = route.make_call(body, service.config.max_tokens, service.config.lenient_fields)
         generation = await service.admit(mount, call.choice(0))
         envelope = Envelope.new(route.id_prefix, mount.name, mount.model.fingerprint, call.seed)
         echo = call.prompt if call.echo else None
@@ -291,10 +300,10 @@ def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> C
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             if call.n == 1:
                 events = service.events(mount, generation, call, envelope, route.chunks, include_usage)
-                return EventStream(events, generation)
+                return _ignoring(EventStream(events, generation), call)
             running = choices.Running([generation])
             events = choices.choice_events(service, mount, call, envelope, route.chunks, include_usage, running)
-            return EventStream(events, running)
+            return _ignoring(EventStream(events, running), call)
         if call.n == 1:
             response = await service.complete(mount, generation, request, call)
             responses = None if response is None else [response]
@@ -302,6 +311,7 @@ def openai_endpoint(service: Service, body_model: type, route: OpenAIRoute) -> C
             responses = await choices.complete_choices(service, mount, call, request, generation)
         if responses is None:
             return Response(status_code=499)
+        _ignoring(reply, call)
         return route.answer.of_choices(envelope, responses, echo=echo)
 
     return openai_completion
