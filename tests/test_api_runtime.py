@@ -24,6 +24,7 @@ from aner_nb.api.metrics import ServiceMetrics
 from aner_nb.api.runtime import Generation, Mount, RequestTimeout
 from aner_nb.api.service import Service
 from aner_nb.llm.errors import BusyError
+from fixtures.leases import one_thread_lease
 
 
 class CountingPool(concurrent.futures.ThreadPoolExecutor):
@@ -46,11 +47,8 @@ def counted(mount: Mount) -> CountingPool:
 
 @pytest.fixture(scope="module")
 def base(llama_path):
-    loaded = llm.load(llama_path, context=1024)
-    model = loaded.with_optimizer(threads=1, prefill_threads=1)
-    yield model
-    model.close()
-    loaded.close()
+    with one_thread_lease(llama_path, 1024) as model:
+        yield model
 
 
 def stream_through(mount: Mount, max_tokens: int) -> tuple[list[str], Generation]:

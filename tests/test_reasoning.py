@@ -15,6 +15,7 @@ from IPython.utils.capture import capture_output
 from aner_nb import llm
 from aner_nb.llm.errors import InvalidRequestError
 from aner_nb.llm.reasoning import THINK, ReasoningSplitter, split_reasoning, starts_inside, thinking_markers
+from fixtures.leases import one_thread_lease
 from fixtures.tool_templates import QWEN3_TOOLS, write_qwen3_tools_model
 
 THOUGHT = 'root ::= "<think>\\nthe user says hi\\n</think>\\n\\n" [a-z]{3,6}'
@@ -65,12 +66,9 @@ def test_streamed_split_equals_the_whole_split(thought, answer, cut, wrapped):
 # -- the library -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    loaded = llm.load(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-think") / "qwen3-think.gguf"),
-                      context=1024)
-    model = loaded.with_optimizer(threads=1, prefill_threads=1)
-    yield model
-    model.close()
-    loaded.close()
+    with one_thread_lease(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-think") / "qwen3-think.gguf"),
+                          1024) as model:
+        yield model
 
 
 def test_template_kwargs_reach_the_template(qwen3):

@@ -21,6 +21,7 @@ from aner_nb.llm.output import OutputFormat, OutputSplitter
 from aner_nb.llm.tool_parsers import call_format, parse_tool_calls
 from aner_nb.llm.tools import (MAX_TOOLS, ForcedTool, Tool, call_grammar, check_template_kwargs, check_tool_choice,
                                check_tools, generic_messages)
+from fixtures.leases import one_thread_lease
 from fixtures.tool_templates import QWEN3_TOOLS, write_qwen3_tools_model
 
 WEATHER_SCHEMA = {
@@ -252,21 +253,15 @@ def test_call_grammar_wraps_the_converter_root():
 # -- on the engine ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama(llama_path):
-    loaded = llm.load(llama_path, context=2048)
-    model = loaded.with_optimizer(threads=1, prefill_threads=1)
-    yield model
-    model.close()
-    loaded.close()
+    with one_thread_lease(llama_path, 2048) as model:
+        yield model
 
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    loaded = llm.load(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-tools") / "qwen3-tools.gguf"),
-                      context=2048)
-    model = loaded.with_optimizer(threads=1, prefill_threads=1)
-    yield model
-    model.close()
-    loaded.close()
+    with one_thread_lease(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-tools") / "qwen3-tools.gguf"),
+                          2048) as model:
+        yield model
 
 
 def _valid(call) -> None:
