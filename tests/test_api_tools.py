@@ -15,8 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
-from aner_nb import llm
 from aner_nb.demo_model import demo_model_path
+from fixtures.leases import one_thread_lease
 from fixtures.tool_templates import write_qwen3_tools_model
 from test_api import serving, service
 from test_tools import ADD, SCHEMAS, WEATHER, WEATHER_SCHEMA
@@ -30,11 +30,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 THOUGHT = 'root ::= "<think>\\nthe user says hi\\n</think>\\n\\n" [a-z]{3,6}'
 
 
-def _lease(path, context=2048):
-    loaded = llm.load(path, context=context)
-    return loaded, loaded.with_optimizer(threads=1, prefill_threads=1)
-
-
 @pytest.fixture(scope="module", params=["qwen3", "llama", "smollm2"])
 def served(request, tmp_path_factory, llama_path):
     if request.param == "qwen3":
@@ -43,13 +38,9 @@ def served(request, tmp_path_factory, llama_path):
         path = llama_path
     else:
         path = demo_model_path()
-    loaded, model = _lease(path)
-    batching = model.with_batching(2)
-    with serving(service(batching, max_tokens=256)) as server:
-        yield request.param, server
-    batching.close()
-    model.close()
-    loaded.close()
+    with one_thread_lease(path, 2048) as model, model.with_batching(2) as batching:
+        with serving(service(batching, max_tokens=256)) as server:
+            yield request.param, server
 
 
 @pytest.fixture(scope="module")
@@ -190,11 +181,10 @@ def _sse(url: str, body: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory):
-    loaded, model = _lease(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-sse") / "qwen3-think.gguf"))
-    with serving(service(model, max_tokens=64)) as server:
-        yield server
-    model.close()
-    loaded.close()
+    with one_thread_lease(write_qwen3_tools_model(tmp_path_factory.mktemp("qwen3-sse") / "qwen3-think.gguf"),
+                          2048) as model:
+        with serving(service(model, max_tokens=64)) as server:
+            yield server
 
 
 def test_reasoning_content_whole_and_streamed(thinking_server):
