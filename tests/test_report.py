@@ -29,6 +29,7 @@ TUTORIALS = [
     "06_measurement.ipynb",
     "07_chat_and_serving.ipynb",
     "08_dataframes.ipynb",
+    "09_tools_logprobs_embeddings.ipynb",
 ]
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
