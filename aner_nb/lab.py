@@ -49,4 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_command:
         print(" ".join(command))
         return 0
+    if os.name == "posix":
+        # JupyterLab replaces this process, so Ctrl-C and SIGTERM reach the server itself: a wrapper
+        # process that was terminated would leave the server running, orphaned.
+        os.execv(command[0], command)
     return subprocess.call(command, env=dict(os.environ))

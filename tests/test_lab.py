@@ -69,3 +69,5 @@ def test_lab_serves_the_tutorials_with_a_kernel_of_this_python(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    with pytest.raises(OSError):  # the server itself ended: terminating the command left nothing running
+        _get(f"{base}/api/status?token={token}")
