@@ -12,12 +12,30 @@ option) measures it where the prefix is longer than the 512-token sliding window
 sliding-window cache a latency lease creates.
 
 Run: ``python benchmarks/bench_prefix.py [--model smollm2|gemma|PATH] [--rounds 3] [--json out.json]``.
+
+``--restart`` (the disk tier, ``prefix_cache_dir``): a first process asks
+questions over a ~1,600-token prefix with a disk tier and exits; a fresh
+process (a new kernel) then measures the first token of the same questions
+(re-running the cells), cold (a lease without prefix cache) against restored from the
+disk tier (a new, empty lease per request, so nothing is live or in RAM), ABBA
+after a warm-up round. Target: >= 40x faster first token restored.
+
+``--rotation`` (the RAM tier, ``prefix_cache_ram_bytes``): 8 different
+~1,600-token prefixes in rotation on a lease with 2 live entries, cold against
+the RAM tier. Target: >= 20x faster first token.
+
+Both sides run with equal ``n_threads`` / ``n_threads_batch`` (``--threads``,
+default the logical CPUs), printed with the CPU's features.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 
 from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
 from _workloads import QUESTIONS, evidence_of_tokens
@@ -28,11 +46,20 @@ from aner_nb import bench
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prefix-tokens", type=int, default=1500)
+    parser.add_argument("--prefix-tokens", type=int, default=None, help="default 1500 (1600 with --restart/--rotation)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--restart", action="store_true", help="disk tier: fill in one process, measure in a fresh one")
+    parser.add_argument("--rotation", action="store_true", help="RAM tier: 8 prefixes in rotation, 2 live entries")
+    parser.add_argument("--threads", type=int, default=0, help="n_threads = n_threads_batch for every side")
+    parser.add_argument("--cache-dir", default=None, help="--restart: the disk tier's directory (default: a new temp dir)")
+    parser.add_argument("--phase", choices=("fill", "measure"), default=None, help=argparse.SUPPRESS)
     add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
+    if args.restart or args.rotation or args.phase:
+        args.prefix_tokens = args.prefix_tokens or 1600
+        return tiers_main(args)
+    args.prefix_tokens = args.prefix_tokens or 1500
 
     choice = resolve(args.model)
     model = choice.load(context=4096)
@@ -67,8 +94,138 @@ def main() -> None:
     model.close()
 
 
+def _threads(args: argparse.Namespace) -> int:
+    return args.threads or (os.cpu_count() or 1)
+
+
+def _print_machine(threads: int) -> None:
+    from aner_nb.llm import cpu_guard
+
+    flags = [f for f in cpu_guard.cpu_flags() if f.startswith(("avx", "amx", "f16c", "fma", "sse4", "neon", "sve"))]
+    print(f"threads: n_threads={threads} n_threads_batch={threads} on {os.cpu_count()} logical CPUs", flush=True)
+    print(f"CPU features: {' '.join(flags) or '?'}", flush=True)
+
+
+def tiers_main(args: argparse.Namespace) -> None:
+    """``--restart`` (parent: fill in one child, measure in a fresh child) and ``--rotation``."""
+    if args.phase == "fill":
+        return _fill(args)
+    if args.phase == "measure":
+        return _measure_restart(args)
+    if args.rotation:
+        return _rotation(args)
+    directory = args.cache_dir or tempfile.mkdtemp(prefix="aner-prefix-tiers-")
+    base = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--threads", str(_threads(args)),
+            "--prefix-tokens", str(args.prefix_tokens), "--max-tokens", str(args.max_tokens),
+            "--rounds", str(args.rounds), "--cache-dir", directory] + (["--json", args.json] if args.json else [])
+    print(f"disk tier: {directory}", flush=True)
+    subprocess.run(base + ["--phase", "fill"], check=True)
+    subprocess.run(base + ["--phase", "measure"], check=True)  # a fresh process: a restarted kernel
+
+
+def _tiered(model, threads: int, **tiers):
+    return model.with_optimizer(threads=threads, prefill_threads=threads, prefix_cache_entries=tiers.pop("entries", 1),
+                                **tiers)
+
+
+def _fill(args: argparse.Namespace) -> None:
+    choice = resolve(args.model)
+    threads = _threads(args)
+    with choice.load(context=4096) as model, _tiered(model, threads, prefix_cache_dir=args.cache_dir) as lease:
+        text = evidence_of_tokens(model, args.prefix_tokens)
+        # The cells a notebook runs before its kernel restarts: the same questions the fresh process asks.
+        # (On a sliding-window model an entry restores whole only, so the prompts must be the same.)
+        for q in QUESTIONS[1:]:
+            r = lease.generate(f"{text}\n\nQuestion: {q}", max_tokens=args.max_tokens)
+        files = [f for f in os.listdir(args.cache_dir) if f.endswith(".kv")]
+        size = sum(os.path.getsize(os.path.join(args.cache_dir, f)) for f in files)
+        print(f"fill process: {len(QUESTIONS) - 1} prompts of ~{r.usage.prompt_tokens} tokens; disk tier holds "
+              f"{len(files)} file(s), {size:,} bytes", flush=True)
+
+
+def _measure_restart(args: argparse.Namespace) -> None:
+    choice = resolve(args.model)
+    threads = _threads(args)
+    model = choice.load(context=4096)
+    print(header(choice, model), flush=True)
+    _print_machine(threads)
+    cold = model.with_optimizer(threads=threads, prefill_threads=threads)
+    text = evidence_of_tokens(model, args.prefix_tokens)
+    cases = [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
+
+    def restored(case: bench.Case) -> dict:
+        # A new lease per request: nothing live, nothing in RAM; only the disk tier the other process filled.
+        with _tiered(model, threads, prefix_cache_dir=args.cache_dir) as lease:
+            r = lease.generate(case.prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
+        row = bench.response_row(r)
+        row["tier"] = r.timings.prefix_cache_tier
+        row["restored_tokens"] = r.timings.prefix_restored_tokens
+        row["restore_ms"] = r.timings.prefix_restore_duration / 1e6
+        row["bytes_read"] = r.timings.prefix_tier_bytes_read
+        return row
+
+    def cold_fresh(case: bench.Case) -> dict:
+        # The same for the cold side: a new lease per request, so both pay the creation of their context.
+        with model.with_optimizer(threads=threads, prefill_threads=threads) as lease:
+            r = lease.generate(case.prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
+        return bench.response_row(r)
+
+    result = bench.run_sides(
+        [bench.Side("cold", cold_fresh), bench.Side("restored", restored)], cases, rounds=args.rounds, warmup=1,
+        baseline="cold", manifest_=bench.manifest(cold, benchmark="prefix_restart", **manifest_fields(choice, model)),
+    )
+    _report(result, model, "restored", ("first_token_ms", "prompt_eval_ms", "cached_input_tokens"), 40, args)
+    f = result.frame
+    r = f[f.side == "restored"]
+    print(f"restored from disk: tier codes {sorted(set(r.tier.astype(int)))} (3 = disk), restored tokens "
+          f"{int(r.restored_tokens.median())}, restore {r.restore_ms.median():.1f} ms median, "
+          f"{int(r.bytes_read.median()):,} bytes read")
+    cold.close()
+    model.close()
+
+
+def _rotation(args: argparse.Namespace) -> None:
+    choice = resolve(args.model)
+    threads = _threads(args)
+    model = choice.load(context=4096)
+    print(header(choice, model), flush=True)
+    _print_machine(threads)
+    cold = model.with_optimizer(threads=threads, prefill_threads=threads)
+    ram = _tiered(model, threads, entries=2, prefix_cache_ram_bytes=8 << 30)
+    texts = [evidence_of_tokens(model, args.prefix_tokens, seed=1888 + i) for i in range(8)]
+    cases = [bench.Case(f"p{i + 1}", f"{t}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}", args.max_tokens)
+             for i, t in enumerate(texts)]
+    result = bench.run_sides(
+        [bench.lease_side("cold", cold), bench.lease_side("ram_tier", ram)], cases, rounds=args.rounds, warmup=1,
+        baseline="cold", manifest_=bench.manifest(ram, benchmark="prefix_rotation", **manifest_fields(choice, model)),
+    )
+    _report(result, model, "ram_tier", ("first_token_ms", "prompt_eval_ms", "cached_input_tokens"), 20, args)
+    stats = ram.prefix_tier_stats()
+    print(f"RAM tier: {stats['held_entries']['ram']} entries, {stats['held_bytes']['ram']:,} bytes; hits {stats['hits']}, "
+          f"misses {stats['misses']}, skips {stats['skips']}")
+    ram.close()
+    cold.close()
+    model.close()
+
+
+def _report(result, model, side: str, columns, target: int, args: argparse.Namespace) -> None:
+    summary = result.summary(columns)
+    print(summary.to_string(index=False))
+    speedup = 1 / result.ratio(side, "first_token_ms")
+    print(f"\nfirst-token speedup {side} vs cold (ratio of medians): {speedup:.1f}x (target >= {target}x)")
+    same = result.same_outputs(side)
+    print(f"identical outputs: {int(same.sum())}/{len(same)}", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"),
+                       "first_token_speedup": speedup, "identical": int(same.sum())}, out, indent=2, default=str)
+
+
 if __name__ == "__main__":
     from aner_nb.bench import exclusive
 
-    with exclusive("bench_prefix"):  # one benchmark at a time: two would measure each other
+    if "--phase" in sys.argv or "--restart" in sys.argv:  # the measuring child takes the lock (run_sides)
         main()
+    else:
+        with exclusive("bench_prefix"):  # one benchmark at a time: two would measure each other
+            main()

@@ -823,6 +823,56 @@ def test_real_kernel_streams_into_one_display(llama_path):
         km.shutdown_kernel(now=True)
 
 
+def test_save_and_resume_a_chat_in_the_shell(ip, llama_path, tmp_path):
+    load(ip, llama_path)
+    run(ip, "%%chat base --max-tokens 4 --quiet\nHello there")
+    state = tmp_path / "chat.kvs"
+    with capture_output() as cap:
+        run(ip, f"%llm save base {state}")
+    assert "saved 1 turn(s)" in cap.stdout and state.exists()
+    run(ip, "%%chat base --max-tokens 6 --quiet\nAnd again")
+    want = ip.user_ns["_"]
+    run(ip, f"%%chat base --session again --resume {state} --max-tokens 6 --quiet\nAnd again")
+    got = ip.user_ns["_"]
+    assert got.tokens == want.tokens and got.usage.cached_input_tokens == want.usage.cached_input_tokens > 0
+    run(ip, f"%llm save again {tmp_path / 'again.kvs'}")  # NAME may be the session itself
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(UsageError, match="cannot resume .*: truncated: "):
+        run(ip, f"%%chat base --resume {state} --quiet\nhi")
+    with pytest.raises(UsageError, match="cannot be combined"):
+        run(ip, f"%%chat base --resume {state} --new --quiet\nhi")
+    with pytest.raises(UsageError, match="no chat session in 'nothing'"):
+        run(ip, f"%llm save base {state} --session nothing")
+
+
+def test_real_kernel_chat_saved_restarted_resumed(llama_path, tmp_path):
+    """A %%chat conversation saved, the kernel restarted, resumed: the next answer is the uninterrupted one."""
+    from jupyter_client.manager import start_new_kernel
+
+    state = tmp_path / "conversation.kvs"
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        setup = f"%load_ext aner_nb\n%llm load {llama_path} --as base --context {CTX}"
+        for code in (setup, "%%chat base --max-tokens 5 --quiet\nHello there", f"%llm save base {state}",
+                     "%%chat base --max-tokens 8 --quiet\nAnd again", "want = list(_.tokens)"):
+            reply, msgs = execute(kc, code)
+            assert reply["status"] == "ok", (code, reply)
+        reply, msgs = execute(kc, "print(want)")
+        want = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream").strip()
+        km.restart_kernel(now=True)
+        kc.wait_for_ready(timeout=60)
+        for code in (setup, f"%%chat base --resume {state} --max-tokens 8 --quiet\nAnd again",
+                     "got = list(_.tokens); cached = _.usage.cached_input_tokens"):
+            reply, msgs = execute(kc, code)
+            assert reply["status"] == "ok", (code, reply)
+        reply, msgs = execute(kc, "print(got, cached > 0, 'want' in dir())")
+        out = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream").strip()
+        assert out == f"{want} True False"  # same tokens, the saved KV reused, and it was a new kernel
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
 # -- the demo model ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_path():

@@ -49,7 +49,8 @@ def test_parse_llm_dispatches_on_the_declared_subcommands():
 
 def test_every_magic_of_llmmagics_carries_its_grammar():
     assert SUBCOMMANDS == (
-        "models", "load", "optimize", "batch", "adapter", "pool", "list", "use", "chat", "info", "kv", "embed", "close",
+        "models", "load", "optimize", "batch", "adapter", "pool", "list", "use", "chat", "save", "info", "kv", "embed",
+        "close",
         "serve", "stop", "bench", "help",
     )  # the order of the methods is the order %llm help lists them
     for name, grammar in COMMANDS.items():

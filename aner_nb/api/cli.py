@@ -32,7 +32,7 @@ from .._version import __version__
 from ..llm.batching import MAX_SEQUENCES
 from ..llm.memory import KV_CACHE_TYPES
 from ..llm.options import REGISTRY
-from ..llm.profiles import CPU_EXTRA_BUFFERS, FLASH_ATTENTION, MAX_CONTEXT
+from ..llm.profiles import CPU_EXTRA_BUFFERS, DEFAULT_DISK_BYTES, FLASH_ATTENTION, MAX_CONTEXT, MAX_TIER_BYTES
 from . import LOG_LEVELS, MAX_CONNECTIONS, MAX_KEEPALIVE_S, MAX_READ_TIMEOUT_S, MIN_READ_TIMEOUT_S
 from .connections import DEFAULT_PER_CLIENT
 from .routes import service_routes
@@ -146,6 +146,12 @@ OPTIONS: tuple[Option, ...] = (
            "that start with the same tokens (a common system prompt is evaluated once); each costs one more "
            "sequence's KV", "N"),
     Option("prefix_cache_tokens", _int_in(1, MAX_CONTEXT), 2048, "tokens each shared prefix keeps at most", "N"),
+    Option("prefix_cache_ram_bytes", _int_in(0, MAX_TIER_BYTES), 0, "keep shared prefixes evicted from live KV in "
+           "host RAM, at most N bytes (0: off; needs --prefix-cache-entries)", "N"),
+    Option("prefix_cache_dir", _text, None, "keep every evaluated prompt prefix in DIR too, so a restarted server "
+           "restores it instead of evaluating it (needs --prefix-cache-entries)", "DIR"),
+    Option("prefix_cache_disk_bytes", _int_in(1, MAX_TIER_BYTES), DEFAULT_DISK_BYTES,
+           "at most N bytes in --prefix-cache-dir", "N"),
     Option("context", _int_in(0, MAX_CONTEXT), 0, "context cells, split equally between the sequences (0: the "
            f"model's declared context, at most {AUTO_CONTEXT_CAP:,})", "N"),
     Option("chat_template", _text, None, "a built-in template name (e.g. gemma) or a Jinja string", "T"),
@@ -288,6 +294,10 @@ def check(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
     if args.chat_template is not None:
         resolve_template(args.chat_template, None)  # a built-in name, or Jinja that compiles in the sandbox
     OptimizerSettings(threads=args.threads, prefill_threads=args.threads)
+    OptimizerSettings(  # the prefix tiers need shared prefixes: refused before the model is hashed
+        prefix_cache_entries=args.prefix_cache_entries, prefix_cache_ram_bytes=args.prefix_cache_ram_bytes,
+        prefix_cache_dir=args.prefix_cache_dir, prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+    )
     if args.context and args.context < args.max_sequences:
         raise ValueError(f"--max-sequences {args.max_sequences} must be <= --context {args.context}: each sequence "
                          "gets an equal share of the context")
@@ -353,7 +363,9 @@ def _serve(builder: Any, base: Any, args: argparse.Namespace) -> int:
         source = base.with_optimizer(threads=args.threads, prefill_threads=args.threads) if args.threads else base
         model = source.with_batching(
             args.max_sequences, prefix_cache_entries=args.prefix_cache_entries,
-            prefix_cache_tokens=args.prefix_cache_tokens,
+            prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_ram_bytes=args.prefix_cache_ram_bytes,
+            prefix_cache_dir=os.path.expanduser(args.prefix_cache_dir) if args.prefix_cache_dir else None,
+            prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
         )
         server = builder.llm(path="/chat", model=model, name=args.name).start()
         stats = model.stats()

@@ -161,6 +161,7 @@ class _ScrapeTimeCollector:
             for name, stats in batching:
                 family.add_metric([name], getattr(stats, f.name))
             yield family
+        yield from _prefix_tier_metrics(mounts)
         # A leak check from outside (benchmarks/soak.py samples it): a served model should hold the
         # same contexts after a million requests as after ten.
         contexts = GaugeMetricFamily("aner_native_contexts",
@@ -184,3 +185,35 @@ class _ScrapeTimeCollector:
         rss = GaugeMetricFamily("process_resident_memory_bytes", "Resident memory of this process (bytes).")
         rss.add_metric([], psutil.Process().memory_info().rss)
         yield rss
+
+
+def _prefix_tier_metrics(mounts: list[Any]) -> Iterator[Metric]:
+    """The prefix tiers of each served model (``prefix_cache_ram_bytes`` / ``prefix_cache_dir``)."""
+    hits = CounterMetricFamily("aner_prefix_tier_hits", "Requests whose prefix a tier restored, by tier.",
+                               labels=["model", "tier"])
+    misses = CounterMetricFamily("aner_prefix_tier_misses", "Requests the tiers had no usable prefix for.",
+                                 labels=["model"])
+    skips = CounterMetricFamily("aner_prefix_tier_skips", "Stored prefixes skipped (not restored), by reason.",
+                                labels=["model", "reason"])
+    read = CounterMetricFamily("aner_prefix_tier_read_bytes", "Bytes restored from a tier, by tier.",
+                               labels=["model", "tier"])
+    written = CounterMetricFamily("aner_prefix_tier_written_bytes", "Bytes stored in a tier, by tier.",
+                                  labels=["model", "tier"])
+    held = GaugeMetricFamily("aner_prefix_tier_held_bytes", "Bytes a tier holds now, by tier.", labels=["model", "tier"])
+    for m in mounts:
+        stats_of = getattr(m.model, "prefix_tier_stats", None)
+        stats = stats_of() if callable(stats_of) else None
+        if stats is None:
+            continue
+        for tier, n in stats["hits"].items():
+            hits.add_metric([m.name, tier], n)
+        misses.add_metric([m.name], stats["misses"])
+        for reason, n in stats["skips"].items():
+            skips.add_metric([m.name, reason], n)
+        for tier, n in stats["bytes_read"].items():
+            read.add_metric([m.name, tier], n)
+        for tier, n in stats["bytes_written"].items():
+            written.add_metric([m.name, tier], n)
+        for tier, n in stats["held_bytes"].items():
+            held.add_metric([m.name, tier], n)
+    yield from (hits, misses, skips, read, written, held)

@@ -35,6 +35,7 @@ __all__ = [
     "supports_gpu_offload",
     "accelerator_kind",
     "system_info",
+    "engine_build",
     "build_flags",
     "default_threads",
     "pairs_batch_columns",
@@ -105,6 +106,33 @@ def supports_gpu_offload() -> bool:
 
 def system_info() -> str:
     return _llama().llama_print_system_info().decode("utf-8", "replace")
+
+
+def engine_build() -> str:
+    """This engine's build: llama-cpp-python's version and ggml's version and commit.
+
+    Saved KV state is only valid on the build that wrote it (the state format and
+    kernels change between releases), so ``kv_identity`` stamps files with it.
+    """
+    global _build
+    if _build is not None:
+        return _build
+    lib = _llama()
+    parts = [f"llama-cpp-python {getattr(lib, '__version__', '?')}"]
+    native = getattr(getattr(lib, "llama_cpp", None), "_lib", None)
+    for name in ("ggml_version", "ggml_commit"):
+        try:
+            fn = getattr(native, name)
+            fn.restype = ctypes.c_char_p
+            fn.argtypes = []
+            parts.append(f"{name.removeprefix('ggml_')} {fn().decode('utf-8', 'replace')}")
+        except (AttributeError, TypeError, OSError):
+            parts.append(f"{name.removeprefix('ggml_')} ?")
+    _build = "; ".join(parts)
+    return _build
+
+
+_build: str | None = None
 
 
 def accelerator_kind() -> str | None:
@@ -523,6 +551,46 @@ class NativeContext(_Owner):
 
     def seq_pos_min(self, seq: int) -> int:
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
+
+    # -- per-sequence state (llama_state_seq_*): KV of one sequence as bytes -------
+    def seq_state_bytes(self, seq: int) -> bytes:
+        """Sequence ``seq``'s serialised state (its KV cells, and the SWA cells it keeps).
+
+        A sliding-window cache created without ``swa_full`` holds only the last
+        window of positions; its state restores those cells only, so callers
+        must not treat it as the whole prefix (see ``kv_identity``). Raises
+        ``EngineError`` when llama.cpp reports no state or a short copy.
+        """
+        lib, ptr = self._lib, self.ptr
+        size = int(lib.llama_state_seq_get_size(ptr, seq))
+        if size <= 0:
+            raise EngineError(f"llama.cpp reported no state for sequence {seq}")
+        buf = (ctypes.c_uint8 * size)()
+        written = int(lib.llama_state_seq_get_data(ptr, buf, size, seq))
+        if written <= 0 or written > size:
+            raise EngineError(f"llama_state_seq_get_data copied {written} of {size} bytes for sequence {seq}")
+        return ctypes.string_at(buf, written)
+
+    def seq_state_load(self, seq: int, data: bytes) -> int:
+        """Load ``data`` (from ``seq_state_bytes`` on a context of the same identity) into ``seq``.
+
+        Returns the number of bytes llama.cpp read; raises ``EngineError`` when it
+        refuses the data (it returns 0: wrong layout, too many cells). The caller
+        clears ``seq`` first and checks the identity before native code sees the
+        bytes (``kv_identity.unpack``); on failure the sequence is cleared again.
+        """
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
+            raise EngineError(f"no state bytes to load into sequence {seq}")
+        raw = data if isinstance(data, bytes) else bytes(data)
+        # llama.cpp only reads the buffer (const uint8_t *): point at the bytes object's own storage, no copy
+        buf = ctypes.cast(ctypes.c_char_p(raw), ctypes.POINTER(ctypes.c_uint8))
+        with engine_log.capturing() as lines:
+            read = int(self._lib.llama_state_seq_set_data(self.ptr, buf, len(raw), seq))
+        if read <= 0 or read > len(raw):
+            self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            why = f": {lines[-1].strip()}" if lines else ""
+            raise EngineError(f"llama.cpp refused {len(raw)} state bytes for sequence {seq} (read {read}){why}")
+        return read
 
     # -- embedding contexts (ContextParams.embeddings) --------------------------
     def pooled_embedding(self, seq: int) -> np.ndarray:

@@ -57,7 +57,8 @@ from .runner import Job, validated_response
 from .outbox import Outbox, Request
 from .scheduler import Scheduler
 from .scheduler_stats import SchedulerStats
-from .summary import ESTIMATE, PER_LEASE, PER_REQUEST, Holding, MemorySummary, memory_summary
+from .summary import ESTIMATE, PER_LEASE, PER_REQUEST, Holding, MemorySummary, memory_summary, tier_holdings
+from .prefix_store import tier_store
 from .shared_prefix import SharedPrefixes
 from .weights import SharedWeights
 
@@ -65,11 +66,12 @@ __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES"
 
 
 def with_batching(
-    model: Any, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048
+    model: Any, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048, **tiers: Any
 ) -> "BatchingModel":
-    """Module form of :meth:`LLMModel.with_batching`."""
+    """Module form of :meth:`LLMModel.with_batching` (``tiers``: ``prefix_cache_ram_bytes``, ``prefix_cache_dir``,
+    ``prefix_cache_disk_bytes``)."""
     return model.with_batching(
-        max_sequences, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens
+        max_sequences, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens, **tiers
     )
 
 
@@ -218,6 +220,12 @@ class BatchingModel(Lease):
         """A snapshot of the scheduler's counters (steps, tokens, peak sequences, queue)."""
         return self._scheduler.stats()
 
+    def prefix_tier_stats(self) -> "dict[str, object] | None":
+        """The prefix tiers' counters (hits, misses, skips by reason, bytes by tier) and holdings; None without tiers."""
+        prefixes = self._scheduler.prefixes
+        store = prefixes.tiers if prefixes is not None else None
+        return store.snapshot() if store is not None else None
+
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV of the one shared context (request streams and shared-prefix streams), what the
         shared prefixes hold now, and the process's measured memory."""
@@ -235,6 +243,10 @@ class BatchingModel(Lease):
             Holding(layout, 1, kv_bytes, PER_LEASE, ESTIMATE),
             Holding("one request's stream", 1, per_stream, PER_REQUEST, ESTIMATE),
         ]
+        prefixes = self._scheduler.prefixes
+        more_held, more_bounds = tier_holdings(prefixes.tiers if prefixes is not None else None)
+        held += more_held
+        bounds += more_bounds
         return memory_summary(
             self._weights, kv_bytes=kv_bytes, kv_scope=f"whole scheduler ({layout})",
             contexts=self._weights.native.live_contexts(), params=self._params, held=held, bounds=bounds,
@@ -312,9 +324,11 @@ def _start_scheduler(
     assert settings is not None
     prefixes = None
     if opt.prefix_cache_entries:
+        trivial = template_opening(weights)
         prefixes = SharedPrefixes(
             range(settings.max_sequences, settings.max_sequences + opt.prefix_cache_entries),
-            max_tokens=opt.prefix_cache_tokens, trivial_prefix=template_opening(weights),
+            max_tokens=opt.prefix_cache_tokens, trivial_prefix=trivial,
+            store=tier_store(weights, profile, params, trivial_prefix=trivial),
         )
     with life.building(weights, adapter) as stack:
         ctx = NativeContext(weights.native, params)

@@ -25,6 +25,7 @@ __all__ = [
     "EngineError",
     "NativeUnavailableError",
     "UnsupportedCPUError",
+    "StateMismatchError",
 ]
 
 
@@ -115,3 +116,18 @@ class NativeUnavailableError(EngineError):
 
 class UnsupportedCPUError(NativeUnavailableError):
     """This llama.cpp build executes instructions this CPU cannot run (a probe child died by a signal)."""
+
+
+class StateMismatchError(LLMError, ValueError):
+    """Saved KV state (a prefix tier entry, a saved conversation) is not valid for this context.
+
+    ``reason`` says why, one of ``kv_identity.REASONS``: ``corrupt``, ``truncated``,
+    ``foreign_model``, ``foreign_adapter``, ``foreign_build``, ``foreign_kv_type``,
+    ``newer_format``, ``layout``, ``sliding_window`` (a restored sliding-window
+    state, which holds only its last window, kept shorter than its last token).
+    Nothing was loaded.
+    """
+
+    def __init__(self, message: str, *, reason: str, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.reason = reason

@@ -27,8 +27,10 @@ from .context_pool import ContextPool, ContextSlot
 from .errors import ConfigurationError
 from .lifetime import Lifetime
 from .prefix_pool import PrefixPool
+from .prefix_store import system_prefix_length, tier_store
+from .prefix_tiers import pinned_lengths
 from .options import RequestSettings
-from .profiles import BatchingSettings, OptimizerSettings, Profile
+from .profiles import DEFAULT_DISK_BYTES, BatchingSettings, OptimizerSettings, Profile
 from .protocol import BUILDERS, Done, Lease, LeaseKind, Pieces, RequestRules, with_text_callback
 from .requests import Prepared, RawText, context_params, template_opening
 from .runner import Job, run_request
@@ -65,9 +67,11 @@ class LLMModel(Lease):
         with life.building(weights, adapter) as stack:  # the adapter frees any context still applying it
             pool: ContextPool | PrefixPool
             if opt.prefix_cache_entries:
+                trivial = template_opening(weights)
                 pool = PrefixPool(
                     weights.native, params, capacity=opt.prefix_cache_entries,
-                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=template_opening(weights),
+                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=trivial,
+                    store=tier_store(weights, profile, params, trivial_prefix=trivial),
                 )
             else:
                 pool = ContextPool(weights.native, params, profile.max_idle_contexts)
@@ -125,6 +129,12 @@ class LLMModel(Lease):
                 outcome = "ok"
             else:
                 outcome = "cancelled"
+            if outcome == "ok" and getattr(pool, "store", None) is not None:
+                # Pinned system prefixes: the part before the first user message (and a checkpoint).
+                system = system_prefix_length(self._weights, prepared.messages, prepared.tokens)
+                pins = pinned_lengths(system, len(prepared.tokens), trivial=pool.trivial_prefix)  # type: ignore[union-attr]
+                pool.give_back(slot, prepared.tokens, outcome=outcome, pins=pins)  # type: ignore[call-arg]
+                return
             pool.give_back(slot, prepared.tokens, outcome=outcome)
 
         return with_text_callback(pieces, on_text), done
@@ -140,15 +150,27 @@ class LLMModel(Lease):
         prefix_cache_entries: int = 0,
         prefix_cache_tokens: int = 2048,
         speculative_tokens: int = 0,
+        prefix_cache_ram_bytes: int = 0,
+        prefix_cache_dir: "str | os.PathLike[str] | None" = None,
+        prefix_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> "LLMModel":
         """A latency profile: engine threads and batch sizes, prefix cache, prompt-lookup speculation.
 
         The new lease has its own (empty) prefix pool; this lease is unchanged.
+        ``prefix_cache_ram_bytes`` keeps prefixes evicted from the pool as
+        serialised KV in host memory (LRU, at most that many bytes);
+        ``prefix_cache_dir`` keeps every retained prefix in that directory too
+        (at most ``prefix_cache_disk_bytes``, LRU by mtime; processes may share
+        it), so a new process (a restarted kernel) restores it instead of
+        evaluating it. Stored entries are checked against the model, adapter,
+        KV type, context layout and engine build before reuse; both are off by default.
         """
         settings = OptimizerSettings(
             threads=threads, prefill_threads=prefill_threads, batch_tokens=batch_tokens,
             micro_batch_tokens=micro_batch_tokens, prefix_cache_entries=prefix_cache_entries,
             prefix_cache_tokens=prefix_cache_tokens, speculative_tokens=speculative_tokens,
+            prefix_cache_ram_bytes=prefix_cache_ram_bytes, prefix_cache_dir=prefix_cache_dir,  # type: ignore[arg-type]
+            prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         )
         self._check_open("with_optimizer()")
         return LLMModel(self._weights, self._profile.with_(optimizer=settings), adapter=self._adapter)
@@ -190,13 +212,21 @@ class LLMModel(Lease):
         self._lifetime.check_open(what)
 
     # -- sessions and summaries -----------------------------------------------
-    def session(self, system: str | None = None) -> Session:
-        """A persistent conversation with its own context; history is not re-evaluated per turn."""
+    def session(self, system: str | None = None, *, resume: "str | os.PathLike[str] | None" = None) -> Session:
+        """A persistent conversation with its own context; history is not re-evaluated per turn.
+
+        ``resume=path`` restores a conversation saved with ``Session.save(path)`` (history and KV);
+        a file that does not match this lease raises ``StateMismatchError`` (``reason`` says why).
+        """
         self._check_open("session()")
-        return Session(self._weights, self._profile, system=system, model_name=self.name, adapter=self._adapter)
+        return Session(
+            self._weights, self._profile, system=system, model_name=self.name, adapter=self._adapter, resume=resume
+        )
 
     def with_batching(
-        self, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048
+        self, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048,
+        prefix_cache_ram_bytes: int = 0, prefix_cache_dir: "str | os.PathLike[str] | None" = None,
+        prefix_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
     ) -> BatchingModel:
         """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests.
 
@@ -210,14 +240,25 @@ class LLMModel(Lease):
         the shared prefixes are its optimizer's ``prefix_cache_entries`` and
         ``prefix_cache_tokens``, the latency profile's names and bounds (a
         latency source profile is refused, so they were 0 there).
+        ``prefix_cache_ram_bytes``, ``prefix_cache_dir`` and
+        ``prefix_cache_disk_bytes`` keep entries evicted from the spare streams
+        (and, with a directory, every evaluated prompt) in host RAM and on disk,
+        as on :meth:`with_optimizer`.
         """
         self._check_open("with_batching()")
         settings = BatchingSettings(max_sequences=max_sequences)
         optimizer = replace(
             self._profile.optimizer, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
+            prefix_cache_ram_bytes=prefix_cache_ram_bytes, prefix_cache_dir=prefix_cache_dir,
+            prefix_cache_disk_bytes=prefix_cache_disk_bytes,
         )
         check_source_profile(self._profile, settings)
         return BatchingModel(self._weights, self._profile.with_(batching=settings, optimizer=optimizer), adapter=self._adapter)
+
+    def prefix_tier_stats(self) -> "dict[str, object] | None":
+        """The prefix tiers' counters (hits, misses, skips by reason, bytes by tier) and holdings; None without tiers."""
+        store = getattr(self._state.pool, "store", None)
+        return store.snapshot() if store is not None else None
 
     def memory_summary(self) -> MemorySummary:
         """Weights, the KV of live contexts and of this lease's pool now, what its policies may hold, and

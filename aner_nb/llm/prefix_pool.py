@@ -24,7 +24,10 @@ from typing import Sequence
 
 from ._engine import ContextParams, NativeModel
 from .context_pool import Acquired, ContextSlot, free_all, new_slot
-from .timings import PoolTimings, PrefixCacheTimings
+from .errors import LLMError
+from .prefix_store import PrefixStore
+from .prefix_tiers import TIER_CODES
+from .timings import PoolTimings, PrefixCacheTimings, PrefixTierTimings, TimingsPart
 
 __all__ = [
     "Choice",
@@ -120,9 +123,11 @@ class PrefixPool:
     """Retained contexts of one lease, at most ``capacity`` of them."""
 
     def __init__(
-        self, model: NativeModel, params: ContextParams, *, capacity: int, max_tokens: int, trivial_prefix: int
+        self, model: NativeModel, params: ContextParams, *, capacity: int, max_tokens: int, trivial_prefix: int,
+        store: PrefixStore | None = None,
     ) -> None:
         self.model = model
+        self.store = store  # RAM / disk tiers behind the live entries, or None
         self.params = params
         self.capacity = capacity
         self.max_tokens = max_tokens
@@ -158,6 +163,8 @@ class PrefixPool:
             taken = entries.pop(index) if index is not None else None
             self._in_use += 1
         found = {"prefix_cache_entries": retained[0], "prefix_cache_retained_tokens": retained[1]}
+        if self.store is not None:
+            return self._acquire_tiered(prompt, choice, taken, found)
         if taken is None:
             try:
                 slot = self._new_slot()
@@ -180,13 +187,105 @@ class PrefixPool:
         pool = PoolTimings(cached_input_tokens=keep, context_clear_duration=time.perf_counter_ns() - t0, context_pool_reused=1)
         return Acquired(taken.slot, keep, (pool, PrefixCacheTimings(prefix_cache_hit=int(keep > 0), **found)))
 
-    def give_back(self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str) -> None:
-        """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else."""
+    def _acquire_tiered(
+        self, prompt: Sequence[int], choice: Choice, taken: "_Entry | None", found: dict[str, int]
+    ) -> Acquired:
+        """``acquire`` with RAM / disk tiers: demote an evicted entry, then restore a longer stored prefix if any."""
+        store = self.store
+        assert store is not None
+        written = 0
+        slot = taken.slot if taken is not None else None
+        try:
+            # The least recently used entry leaves live KV, or a short match (a shared template or system
+            # part) would cut away more of the entry than it keeps: keep it in the tiers before its context
+            # is reused.
+            lost = len(taken.tokens) - choice.keep if taken is not None else 0
+            if taken is not None and slot is not None and (choice.entry is None or lost > max(64, choice.keep)):
+                written = store.save(slot.ctx, 0, taken.tokens, ram=True, disk=True)
+            if slot is None:
+                slot = self._new_slot()
+            t0 = time.perf_counter_ns()
+            live = choice.keep if choice.entry is not None else 0
+            restored = store.restore(slot.ctx, 0, prompt, better_than=live) if prompt else None
+            keep, tier = 0, "cold"
+            if restored is not None:
+                keep, tier = restored.keep, restored.tier
+            elif live > 0 and taken is not None and slot.ctx.seq_pos_max(0) == len(taken.tokens) - 1 and slot.ctx.trim(0, live):
+                keep, tier = live, "live"
+            else:
+                slot.ctx.clear()  # a miss, a kept range that did not survive, or a failed restore
+        except BaseException:  # the context left the pool; its KV is in an unknown state
+            self._abandon(slot)
+            raise
+        parts: tuple[TimingsPart, ...] = (
+            PoolTimings(
+                cached_input_tokens=keep, context_clear_duration=time.perf_counter_ns() - t0,
+                context_pool_reused=int(taken is not None),
+            ),
+            PrefixCacheTimings(prefix_cache_hit=int(keep > 0), **found),
+            PrefixTierTimings(
+                prefix_cache_tier=TIER_CODES[tier],
+                prefix_restored_tokens=restored.keep if restored is not None else 0,
+                prefix_tier_bytes_read=restored.bytes_read if restored is not None else 0,
+                prefix_tier_bytes_written=written,
+                prefix_restore_duration=restored.duration if restored is not None else -1,
+            ),
+        )
+        return Acquired(slot, keep, parts)
+
+    def pin(self, slot: ContextSlot, prompt: Sequence[int], lengths: Sequence[int]) -> None:
+        """Keep prefixes of ``prompt`` (its system part, a checkpoint) in the tiers, pinned apart from the LRU.
+
+        ``slot`` holds ``prompt`` from position 0 (at least the longest length). A
+        prefix already stored is not saved again; a new one is cut from a copy of
+        the state in a scratch context, so the request's own context keeps its KV.
+        """
+        store = self.store
+        if store is None:
+            return
+        todo = sorted({n for n in lengths if 0 < n <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
+        todo = [n for n in todo if not (
+            (store.ram is not None and tuple(prompt[:n]) in store.ram) or (store.ram is None and not store.wants_disk(prompt[:n]))
+        )]
+        if not todo:
+            return
+        state = slot.ctx.seq_state_bytes(0)
+        scratch = self._new_slot()
+        try:
+            scratch.ctx.seq_state_load(0, state)
+            for n in todo:  # longest first: each cut trims the previous one
+                if not scratch.ctx.trim(0, n):
+                    break
+                store.save(scratch.ctx, 0, prompt[:n], ram=True, disk=True, pinned=True)
+        finally:
+            scratch.free()
+
+    def give_back(
+        self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str, pins: Sequence[int] = ()
+    ) -> None:
+        """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else.
+
+        ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`).
+        """
         keep = retain_length(len(prompt), self.max_tokens)
+        if self.store is not None and self.store.exact_only and keep == len(prompt):
+            # A sliding-window entry restores only whole (see PrefixStore): keep one token fewer, so the
+            # same prompt again restores all it keeps and evaluates its last token.
+            keep -= 1
         retained = False
         evicted: list[ContextSlot] = []
+        demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first
         try:
             retained = outcome == "ok" and keep > 0 and slot.ctx.alive and slot.ctx.trim(0, keep)
+            if retained and self.store is not None:
+                # Write-through (before another request can take the context): a disk tier holds
+                # every retained prefix, so a new process finds it.
+                self.store.save(slot.ctx, 0, prompt[:keep], ram=False, disk=True)
+                if pins:
+                    try:
+                        self.pin(slot, prompt, [n for n in pins if n <= keep])
+                    except LLMError as exc:  # a tier is an optimisation: the request itself succeeded
+                        self.store.stats.skip("save_failed", f"pinning a system prefix: {exc}")
         finally:  # an interrupt inside the trim still returns the use and frees the slot
             with self._lock:
                 self._in_use -= 1
@@ -194,10 +293,15 @@ class PrefixPool:
                     self._clock += 1
                     self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock))
                     while len(self._entries) > self.capacity:
-                        evicted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])).slot)
+                        demoted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])))
                 else:
                     evicted.append(slot)
-            free_all(evicted)
+            try:
+                for e in demoted:  # ours now: popped from the pool under the lock
+                    if self.store is not None:
+                        self.store.save(e.slot.ctx, 0, e.tokens, ram=True, disk=True)
+            finally:
+                free_all(evicted + [e.slot for e in demoted])
 
     @property
     def entries(self) -> int:
@@ -220,3 +324,5 @@ class PrefixPool:
             self._closed = True
             entries, self._entries = self._entries, []
         free_all([e.slot for e in entries])
+        if self.store is not None:
+            self.store.close()

@@ -32,6 +32,9 @@ __all__ = [
     "OptimizerSettings",
     "BatchingSettings",
     "MAX_SEQUENCES",
+    "MAX_TIER_BYTES",
+    "DEFAULT_DISK_BYTES",
+    "check_tier_settings",
     "QUEUE_LIMIT",
     "STREAM_BUFFER",
     "Profile",
@@ -109,6 +112,33 @@ class LoadSettings:
             )
 
 
+MAX_TIER_BYTES = 1 << 44  # 16 TiB: a bound, not a recommendation
+DEFAULT_DISK_BYTES = 4 << 30  # a prefix_cache_dir holds at most 4 GiB unless prefix_cache_disk_bytes says otherwise
+
+
+def check_tier_settings(settings: Any) -> None:
+    """Validate (and normalise the directory of) a profile's ``prefix_cache_ram_bytes`` / ``_dir`` / ``_disk_bytes``."""
+    int_in("prefix_cache_ram_bytes", settings.prefix_cache_ram_bytes, 0, MAX_TIER_BYTES)
+    int_in("prefix_cache_disk_bytes", settings.prefix_cache_disk_bytes, 1, MAX_TIER_BYTES)
+    directory = settings.prefix_cache_dir
+    if directory is not None:
+        if isinstance(directory, os.PathLike):
+            directory = os.fspath(directory)
+        if not isinstance(directory, str) or not directory or "\x00" in directory:
+            raise ConfigurationError(
+                f"prefix_cache_dir must be None or a directory path, got {settings.prefix_cache_dir!r}",
+                param="prefix_cache_dir",
+            )
+        object.__setattr__(settings, "prefix_cache_dir", os.path.abspath(os.path.expanduser(directory)))
+    tiers = settings.prefix_cache_ram_bytes > 0 or settings.prefix_cache_dir is not None
+    if tiers and settings.prefix_cache_entries == 0:
+        raise ConfigurationError(
+            "prefix_cache_ram_bytes / prefix_cache_dir keep prefixes evicted from the prefix cache, which is off "
+            "(prefix_cache_entries=0); set prefix_cache_entries >= 1 as well",
+            param="prefix_cache_dir" if settings.prefix_cache_dir is not None else "prefix_cache_ram_bytes",
+        )
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     """Engine knobs of a latency profile. ``0`` threads means the engine default."""
@@ -120,8 +150,13 @@ class OptimizerSettings:
     prefix_cache_entries: int = 0
     prefix_cache_tokens: int = 2048
     speculative_tokens: int = 0
+    # Tiers behind live KV for retained prefixes (off by default; see prefix_tiers.py).
+    prefix_cache_ram_bytes: int = 0
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = DEFAULT_DISK_BYTES
 
     def __post_init__(self) -> None:
+        check_tier_settings(self)
         int_in("threads", self.threads, 0, 256)
         int_in("prefill_threads", self.prefill_threads, 0, 256)
         int_in("batch_tokens", self.batch_tokens, 1, MAX_CONTEXT)

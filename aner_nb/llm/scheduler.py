@@ -56,7 +56,8 @@ from .sequence import ENDED, Phase, SequenceState
 from .shared_prefix import SharedPrefixes
 from .step_policy import (DECODE, PAD, AdmissionPolicy, BatchPlan, FifoAdmission, compaction_moves, kv_victim,
                           next_sequence_id, plan_batch)
-from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, QueueTimings, TimingsPart
+from .prefix_tiers import TIER_CODES
+from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, PrefixTierTimings, QueueTimings, TimingsPart
 
 # ``stat_fields`` and ``SchedulerStats`` are also imported from here (aner_nb.api.metrics,
 # aner_nb.widgets.batching, aner_nb.llm).
@@ -103,6 +104,7 @@ class Scheduler:
         self.pair_columns = pair_columns
         self.admission: AdmissionPolicy = FifoAdmission() if admission is None else admission
         self.prefixes = prefixes  # its streams are sequence ids >= max_sequences
+        self._fresh_streams: set[int] = set()
         self._ctx = ctx
         self._batch = batch
         self._on_exit = on_exit
@@ -304,6 +306,11 @@ class Scheduler:
         with self._cv:
             held = (p.entries, p.held_tokens)  # as the request found them
         entry, keep = p.lookup(r.job.prompt_tokens)
+        store, restored = p.tiers, None
+        if store is not None:  # a longer prefix in the RAM / disk tiers is loaded straight into this stream
+            restored = store.restore(self._ctx, r.seq, r.job.prompt_tokens, better_than=keep)
+            if restored is not None:
+                entry, keep = None, restored.keep
         if entry is not None:
             # Across streams the whole stream is copied (positions and cell indices kept) during the
             # next llama_decode, before the batch runs; removing the tail here is bookkeeping only.
@@ -316,21 +323,38 @@ class Scheduler:
                 keep = 0
         r.start_from(keep)
         hit = int(keep > 0)
-        return (
+        parts: tuple[TimingsPart, ...] = (
             PoolTimings(cached_input_tokens=keep, context_clear_duration=_now() - t0, context_pool_reused=hit),
             PrefixCacheTimings(prefix_cache_hit=hit, prefix_cache_entries=held[0], prefix_cache_retained_tokens=held[1]),
         )
+        if store is not None:
+            tier = restored.tier if restored is not None else ("live" if keep > 0 else "cold")
+            parts += (PrefixTierTimings(
+                prefix_cache_tier=TIER_CODES[tier],
+                prefix_restored_tokens=restored.keep if restored is not None else 0,
+                prefix_tier_bytes_read=restored.bytes_read if restored is not None else 0,
+                prefix_restore_duration=restored.duration if restored is not None else -1,
+            ),)
+        return parts
 
     def _retain(self, r: SequenceState) -> None:
         """Keep the prefix of a prompt that has just been evaluated in a spare stream, if worth it."""
         p = self.prefixes
         if p is None:
             return
+        if p.tiers is not None:  # write-through: this stream holds exactly the evaluated prompt now
+            p.tiers.save(self._ctx, r.seq, r.job.prompt_tokens, ram=False, disk=True)
         with self._cv:
             placed = p.placement(r.job.prompt_tokens)
         if placed is None:
             return
         seq, tokens = placed
+        old = next((e for e in p.held() if e.seq == seq), None)
+        if p.tiers is not None and old is not None and seq not in self._fresh_streams:
+            # The entry leaves live KV: keep it in the tiers. (A stream filled by a copy in this
+            # step is not materialised before the next decode, so it is not saved.)
+            p.tiers.save(self._ctx, seq, old.tokens, ram=True, disk=True)
+        self._fresh_streams.add(seq)
         self._ctx.seq_rm(seq, 0, -1)
         self._ctx.seq_cp(r.seq, seq)  # the stream as it is now: exactly the prompt (queued before any decode row)
         with self._cv:
@@ -436,6 +460,7 @@ class Scheduler:
             self._counts.decoded_tokens += len(plan.sampled)
             self._counts.padding_rows += plan.padded
             self._peak = max(self._peak, n_seqs)
+        self._fresh_streams = set()  # streams a copy fills during this step's bookkeeping
         for rows in plan.rows:
             if rows.kind == PAD:
                 continue

@@ -25,9 +25,12 @@ request that used it (requests copy from it, they never own it).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .prefix_pool import common_prefix_length, reusable_prefix
+
+if TYPE_CHECKING:
+    from .prefix_store import PrefixStore
 
 __all__ = ["PrefixEntry", "best_entry", "retention_stream", "waits_for", "SharedPrefixes", "WAIT_MIN_GAIN"]
 
@@ -100,7 +103,10 @@ def waits_for(
 class SharedPrefixes:
     """The entries of one batching scheduler and the streams they may use (scheduler thread only)."""
 
-    def __init__(self, streams: Sequence[int], *, max_tokens: int, trivial_prefix: int) -> None:
+    def __init__(
+        self, streams: Sequence[int], *, max_tokens: int, trivial_prefix: int, store: "PrefixStore | None" = None
+    ) -> None:
+        self.tiers = store  # RAM / disk tiers behind the entries (prefix_store.py), or None
         self.streams = tuple(streams)
         self.max_tokens = max_tokens
         self.trivial_prefix = trivial_prefix

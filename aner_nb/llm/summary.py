@@ -222,6 +222,22 @@ def pooled_kv_bytes(weights: Any, params: Any, estimate: int) -> tuple[int, str]
     return estimate, ESTIMATE
 
 
+COUNTED = "counted (bytes of the stored entries)"
+
+
+def tier_holdings(store: Any) -> tuple[list[Holding], list[Holding]]:
+    """``(held, bounds)`` of a lease's prefix RAM tier (serialised KV in host memory); nothing without one.
+
+    The disk tier is not memory; its directory's bound is ``prefix_cache_disk_bytes``.
+    """
+    if store is None or store.ram is None:
+        return [], []
+    held = [Holding("prefix RAM tier (serialised KV of evicted prefixes)", store.ram_entries, store.ram_bytes,
+                    PER_LEASE, COUNTED)]
+    bounds = [Holding("prefix RAM tier (prefix_cache_ram_bytes)", 1, store.ram.budget, PER_LEASE, "configured bound")]
+    return held, bounds
+
+
 def lease_holdings(weights: Any, params: Any, kv_bytes: int, pool: Any, profile: Any) -> tuple[list[Holding], list[Holding]]:
     """``(held, bounds)`` of an ordinary or latency lease: its pool now, and its policies' limits.
 
@@ -239,6 +255,9 @@ def lease_holdings(weights: Any, params: Any, kv_bytes: int, pool: Any, profile:
             "prefix-cache contexts (prefix_cache_entries; the running request's included)", entries,
             entries * kv_bytes, PER_LEASE, ESTIMATE,
         )]
+        more_held, more_bounds = tier_holdings(getattr(pool, "store", None))
+        held += more_held
+        bounds += more_bounds
     else:
         n = pool.idle
         idle = profile.max_idle_contexts

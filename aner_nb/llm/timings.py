@@ -32,6 +32,7 @@ __all__ = [
     "RunTimings",
     "SpeculativeTimings",
     "BatchTimings",
+    "PrefixTierTimings",
     "timing_fields",
 ]
 
@@ -87,6 +88,13 @@ class Timings:
     batch_peak_sequences: int = _f("peak sequences", "count", "batch")
     scheduler_steps: int = _f("scheduler steps", "count", "batch")
     batch_decoded_tokens: int = _f("batch decoded tokens", "tokens", "batch")  # rows of its steps, all sequences'
+    # Prefix tiers behind live KV (-1 where the profile has none): which tier served the prefix
+    # (prefix_tiers.TIER_CODES: 0 none, 1 live KV, 2 host RAM, 3 disk), what was restored and what it cost.
+    prefix_cache_tier: int = _f("prefix tier (0 none, 1 live, 2 RAM, 3 disk)", "setting", "prefix_tier")
+    prefix_restored_tokens: int = _f("restored prefix tokens", "tokens", "prefix_tier")
+    prefix_tier_bytes_read: int = _f("tier bytes read", "count", "prefix_tier")
+    prefix_tier_bytes_written: int = _f("tier bytes written", "count", "prefix_tier")
+    prefix_restore_duration: int = _f("prefix restore", "ns", "prefix_tier")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -203,3 +211,19 @@ class BatchTimings(TimingsPart):
     batch_peak_sequences: int
     scheduler_steps: int
     batch_decoded_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixTierTimings(TimingsPart):
+    """Which prefix tier served the request (``prefix_tiers.TIER_CODES``), what it restored and moved.
+
+    ``prefix_tier_bytes_written`` counts what this request's lookup wrote (an
+    evicted entry demoted to RAM or disk); the write-through of its own prefix
+    happens after its response and is counted in the tiers' metrics.
+    """
+
+    prefix_cache_tier: int
+    prefix_restored_tokens: int = 0
+    prefix_tier_bytes_read: int = 0
+    prefix_tier_bytes_written: int = 0
+    prefix_restore_duration: int = NOT_MEASURED

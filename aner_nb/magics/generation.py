@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from IPython.core.error import UsageError
 
+from ..llm.errors import StateMismatchError
 from ..llm.output import OutputSplitter
 from ..widgets.chat import ChatBox, chat_box
 from .base import TARGET, MagicsBase, library_errors
@@ -72,6 +73,34 @@ class GenerationMagics(MagicsBase):
             self.handles.track(box.session, parent=lease)  # so %llm close NAME closes it
         self.ns[var] = box
         box.show()
+
+    @subcommand(
+        "save",
+        usage="%llm save NAME PATH [--session VAR]",
+        description="Save a %%chat conversation (its history and KV) to PATH, atomically: NAME is a session, or "
+        "the lease whose session is in NAME_chat (or --session VAR). Resume it later, in a new kernel too, with "
+        "%%chat NAME --resume PATH; the file only resumes on the same model, adapter, engine build and KV settings.",
+        python="VAR.save(PATH)",
+    )
+    @argument("target", metavar="NAME", help="a chat session, or the lease whose %%chat session to save")
+    @argument("path", metavar="PATH", help="the file to write")
+    @argument("--session", metavar="VAR", help="variable holding the session (default NAME_chat)")
+    def _llm_save(self, args: Any) -> None:
+        prog = "%llm save"
+        handle = self._handle(args.target, prog)
+        if handle.kind == "session":
+            if args.session is not None:
+                raise UsageError(f"{prog}: {args.target!r} is a session itself; --session names a lease's session")
+            session = handle
+        else:
+            var = check_name(args.session or f"{args.target}_chat", prog, "--session")
+            session = self.ns.get(var)
+            if not (is_handle(session) and session.kind == "session"):
+                raise UsageError(f"{prog}: no chat session in {var!r}; start one with %%chat {args.target}")
+        with library_errors(prog):
+            path = session.save(args.path)
+        turns = sum(1 for m in session.messages if m["role"] == "user")
+        print(f"saved {turns} turn(s), {session.cached_tokens} tokens of KV, to {path}")
 
     # -- %%generate / %%chat (registered as cell magics by LLMMagics) -------------------
     @cell_grammar(
@@ -141,10 +170,12 @@ class GenerationMagics(MagicsBase):
 
     @cell_grammar(
         "chat",
-        usage=f"%%chat NAME [--session VAR] [--system TEXT] [--new] {request_usage()} [--as VAR] [--format F] "
-        "[--stream | --no-stream | --quiet]",
+        usage=f"%%chat NAME [--session VAR] [--system TEXT] [--new | --resume PATH] {request_usage()} [--as VAR] "
+        "[--format F] [--stream | --no-stream | --quiet]",
         description="Send the cell body as the next user turn of a persistent session (default VAR: NAME_chat), "
-        "which keeps its history in its own context across cells. --new starts over. NAME may be left out: the "
+        "which keeps its history in its own context across cells. --new starts over; --resume PATH starts from a "
+        "conversation saved with %llm save (a file of another model, adapter, build or KV setting is an error, "
+        "never a silent fresh start). NAME may be left out: the "
         "default handle answers; the body is filled in and the answer shown as in %%generate.",
         python="VAR = NAME.session(system=TEXT); r = VAR.send(body, max_tokens=N)   # or VAR.stream(body, ...)",
     )
@@ -152,6 +183,7 @@ class GenerationMagics(MagicsBase):
     @argument("--session", metavar="VAR", help="variable holding the session (default NAME_chat)")
     @argument("--system", metavar="TEXT", help="system prompt of a new session")
     @argument("--new", action="store_true", help="close the existing session and start a new one")
+    @argument("--resume", metavar="PATH", help="close the existing session and resume the one saved in PATH")
     @arguments(request_options)
     def chat(self, line: str, cell: str) -> None:
         try:
@@ -162,7 +194,12 @@ class GenerationMagics(MagicsBase):
         if args.var is not None:
             check_name(args.var, "%%chat", "--as")
         prompt = self._prompt(cell, "%%chat")
+        if args.resume is not None and (args.new or args.system is not None):
+            raise UsageError("%%chat: --resume PATH continues a saved conversation (its own system prompt); "
+                             "it cannot be combined with --new or --system")
         if target.kind == "session":  # %%chat SESSION: talk to that session directly
+            if args.resume is not None:
+                raise UsageError(f"%%chat: {args.target!r} is a session; --resume opens one on a lease")
             session = target
         else:
             session = self._session(target, args)
@@ -175,7 +212,9 @@ class GenerationMagics(MagicsBase):
         if session is not None and not (is_handle(session) and session.kind == "session"):
             raise UsageError(f"%%chat: {var!r} is a {type(session).__name__}, not a chat session; choose another --session")
         parent = self.handles.parent_of(session) if session is not None else None
-        reuse = session is not None and not session.closed and not args.new and parent in (None, lease)
+        resume = getattr(args, "resume", None)
+        reuse = (session is not None and not session.closed and not args.new and resume is None
+                 and parent in (None, lease))
         if reuse and args.system is not None:
             first = session.messages[0] if session.messages else {}
             if first.get("role") != "system" or first.get("content") != args.system:
@@ -186,6 +225,14 @@ class GenerationMagics(MagicsBase):
             session.close()
         if not lease.supports("session"):
             raise UsageError(f"%%chat: {args.target!r} ({handle_kind(lease)}) has no chat sessions; use %%generate")
+        if resume is not None:
+            with library_errors("%%chat"):
+                try:
+                    session = lease.session(resume=resume)
+                except StateMismatchError as exc:  # the reason first: why this file does not fit this lease
+                    raise UsageError(f"%%chat: cannot resume {resume}: {exc.reason}: {one_line(exc)}") from None
+            self.handles.bind(var, session, parent=lease)
+            return session
         with library_errors("%%chat"):
             session = lease.session(system=args.system)
         self.handles.bind(var, session, parent=lease)

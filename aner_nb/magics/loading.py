@@ -25,6 +25,31 @@ __all__ = ["LoadingMagics", "OPTIMIZER"]
 OPTIMIZER = ("threads", "prefill_threads", "batch_tokens", "micro_batch_tokens",
              "prefix_cache_entries", "prefix_cache_tokens", "speculative_tokens")
 
+# The prefix tiers' options, on %llm optimize and %llm batch: --prefix-cache-ram-bytes N,
+# --prefix-cache-dir DIR, --prefix-cache-disk-bytes N (with_optimizer / with_batching keywords).
+TIER_OPTIONS = ("prefix_cache_ram_bytes", "prefix_cache_dir", "prefix_cache_disk_bytes")
+_TIER_USAGE = "[--prefix-cache-ram-bytes N] [--prefix-cache-dir DIR] [--prefix-cache-disk-bytes N]"
+_TIER_PYTHON = "prefix_cache_ram_bytes=N, prefix_cache_dir=DIR, prefix_cache_disk_bytes=N"
+
+
+def _tier_arguments(p: Any) -> list[Any]:
+    return [
+        p.add_argument("--prefix-cache-ram-bytes", type=int_arg, metavar="N",
+                       help="keep prefixes evicted from live KV in host RAM, at most N bytes (default 0: off)"),
+        p.add_argument("--prefix-cache-dir", metavar="DIR",
+                       help="keep retained prefixes in DIR too, so a restarted kernel restores them (default: off)"),
+        p.add_argument("--prefix-cache-disk-bytes", type=int_arg, metavar="N",
+                       help="at most N bytes in --prefix-cache-dir (default 4 GiB)"),
+    ]
+
+
+def _tier_settings(args: Any) -> dict[str, Any]:
+    out = {k: getattr(args, k) for k in TIER_OPTIONS if getattr(args, k) is not None}
+    if "prefix_cache_dir" in out:
+        out["prefix_cache_dir"] = os.path.expanduser(out["prefix_cache_dir"])
+    return out
+
+
 _LOAD_OPTIONS = ("context", "device", "kv_cache_type", "flash_attention", "chat_template", "cpu_extra_buffers")
 
 
@@ -104,35 +129,41 @@ class LoadingMagics(MagicsBase):
     @subcommand(
         "optimize",
         usage="%llm optimize SRC [--as NAME] [--threads N] [--prefill-threads N] [--batch-tokens N] "
-        "[--micro-batch-tokens N] [--prefix-cache-entries N] [--prefix-cache-tokens N] [--speculative-tokens N]",
+        "[--micro-batch-tokens N] [--prefix-cache-entries N] [--prefix-cache-tokens N] [--speculative-tokens N] "
+        + _TIER_USAGE,
         description="Derive a latency-profile lease (threads, batch sizes, prefix cache, prompt lookup) "
         "on the same weights (default NAME: SRC_latency).",
         python="NAME = SRC.with_optimizer(threads=N, prefill_threads=N, batch_tokens=N, micro_batch_tokens=N, "
-        "prefix_cache_entries=N, prefix_cache_tokens=N, speculative_tokens=N)",
+        "prefix_cache_entries=N, prefix_cache_tokens=N, speculative_tokens=N, " + _TIER_PYTHON + ")",
     )
     @SOURCE
     @NEW_HANDLE
     @arguments(lambda p: [p.add_argument(f"--{k.replace('_', '-')}", type=int_arg, metavar="N") for k in OPTIMIZER])
+    @arguments(_tier_arguments)
     def _llm_optimize(self, args: Any) -> None:
         settings = {k: getattr(args, k) for k in OPTIMIZER if getattr(args, k) is not None}
+        settings.update(_tier_settings(args))
         self._derive("optimize", args.src, args.name, "latency", "with_optimizer", **settings)
 
     @subcommand(
         "batch",
-        usage="%llm batch SRC [--as NAME] --max-sequences N [--prefix-cache-entries N] [--prefix-cache-tokens N]",
+        usage="%llm batch SRC [--as NAME] --max-sequences N [--prefix-cache-entries N] [--prefix-cache-tokens N] "
+        + _TIER_USAGE,
         description="Derive a continuous-batching (throughput) lease serving up to N sequences at once "
         "(default NAME: SRC_batch); with --prefix-cache-entries, evaluated prompt prefixes (a shared system "
         "prompt) are kept and copied into later requests instead of evaluated again.",
-        python="NAME = SRC.with_batching(N, prefix_cache_entries=N, prefix_cache_tokens=N)",
+        python="NAME = SRC.with_batching(N, prefix_cache_entries=N, prefix_cache_tokens=N, " + _TIER_PYTHON + ")",
     )
     @SOURCE
     @NEW_HANDLE
     @argument("--max-sequences", type=int_arg, metavar="N", required=True)
     @argument("--prefix-cache-entries", type=int_arg, metavar="N")
     @argument("--prefix-cache-tokens", type=int_arg, metavar="N")
+    @arguments(_tier_arguments)
     def _llm_batch(self, args: Any) -> None:
         settings = {k: getattr(args, k) for k in ("prefix_cache_entries", "prefix_cache_tokens")
                     if getattr(args, k) is not None}
+        settings.update(_tier_settings(args))
         self._derive("batch", args.src, args.name, "batch", "with_batching", args.max_sequences, **settings)
 
     @subcommand(

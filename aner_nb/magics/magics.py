@@ -122,6 +122,7 @@ class LLMMagics(LoadingMagics, GenerationMagics, ServingMagics, InspectionMagics
     _llm_list = LoadingMagics._llm_list
     _llm_use = LoadingMagics._llm_use
     _llm_chat = GenerationMagics._llm_chat
+    _llm_save = GenerationMagics._llm_save
     _llm_info = InspectionMagics._llm_info
     _llm_kv = InspectionMagics._llm_kv
     _llm_embed = InspectionMagics._llm_embed

@@ -282,7 +282,20 @@ def timings_line(response: Response) -> str:
     tps = response.tokens_per_second()
     if tps >= 0:
         parts.append(f"{tps:.1f} tok/s")
+    parts.append(tier_note(t))
     return f"[{response.finish_reason}] {response.usage.completion_tokens} tokens; " + "; ".join(p for p in parts if p)
+
+
+_TIER_NAMES = {2: "host RAM", 3: "disk"}
+
+
+def tier_note(t: Any) -> str:
+    """Which prefix tier served the prompt's prefix (``prefix_cache_tier``), when a RAM or disk tier did."""
+    name = _TIER_NAMES.get(t.prefix_cache_tier)
+    if name is None:
+        return ""
+    restore = f", restore {fmt_ms(t.prefix_restore_duration, 1)}" if measured(t.prefix_restore_duration) else ""
+    return f"prefix from {name} ({fmt_count(t.prefix_restored_tokens)} tokens{restore})"
 
 
 class ResponsePanel(StaticView):

@@ -1,0 +1,430 @@
+"""What makes saved KV valid for a context, and a bounded, checksummed file format for it.
+
+Pure Python (no engine import): the prefix tiers and saved conversations stamp
+every serialised sequence state (``NativeContext.seq_state_bytes``) with a
+:class:`KVIdentity` and refuse, with :class:`~aner_nb.llm.errors.StateMismatchError`
+and one ``reason`` of :data:`REASONS`, anything that does not match the context
+it would be loaded into: another model, adapter, llama.cpp build, KV type or
+context layout, a newer format, a corrupt or truncated file. Nothing reaches
+native code before every check has passed.
+
+File layout (little endian)::
+
+    MAGIC (8 bytes) | header length (u32) | header (JSON, UTF-8) | SHA-256 of the header (32 bytes)
+    | tokens (int32 x n_tokens) | payload (payload_bytes)
+
+The header names the format version, the identity, ``n_tokens``,
+``payload_bytes``, ``meta_bytes`` (a JSON document of the caller's: a
+conversation's history) and the SHA-256 of the tokens, meta and payload. Every
+size is capped (:data:`MAX_HEADER_BYTES`, :data:`MAX_TOKENS`, a payload cap) and
+checked before anything of that size is allocated or read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import StateMismatchError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_TOKENS",
+    "MAX_META_BYTES",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "REASONS",
+    "KVIdentity",
+    "Unpacked",
+    "pack",
+    "unpack",
+    "unpack_full",
+    "read_file",
+    "write_atomic",
+]
+
+FORMAT_VERSION = 1
+MAGIC = b"ANERKV\r\n"  # CR LF: a text-mode copy that rewrites line ends breaks the magic, not the payload
+MAX_HEADER_BYTES = 16 * 1024
+MAX_TOKENS = 1 << 20  # 16 sequences of the largest admitted context (65,536)
+MAX_META_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024**3
+
+# Why a stored state was refused (StateMismatchError.reason); callers count skips by these.
+REASONS = (
+    "corrupt",  # bad magic, malformed header, checksum mismatch, trailing bytes, a size above a cap
+    "truncated",  # the file ends before its declared sizes
+    "foreign_model",  # written for another model file (SHA-256)
+    "foreign_adapter",  # written with another LoRA adapter, or with one where there is none (or vice versa)
+    "foreign_build",  # written by another llama.cpp build
+    "foreign_kv_type",  # another K or V cache type
+    "newer_format",  # a format version this code does not know
+    "layout",  # another context layout (cells, sequences, unified streams, flash attention, SWA)
+    "sliding_window",  # a restored sliding-window state kept shorter than its last token (see partial_reuse)
+)
+
+_PREFIX = struct.Struct("<8sI")
+_DIGEST = 32
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """Everything that must be equal for a saved sequence state to be valid in a context.
+
+    ``n_swa`` is the model's sliding window (0: none) and ``swa_full`` whether the
+    context keeps the full SWA cache. Either way a sliding-window state holds only
+    the window of its last position, so it restores exactly only when reused from
+    its end or its last token: :meth:`min_keep`, :meth:`check_reuse`.
+    """
+
+    model_sha256: str
+    adapter_sha256: str | None
+    type_k: str
+    type_v: str
+    n_ctx: int
+    n_seq_max: int
+    kv_unified: bool
+    flash_attention: str
+    n_swa: int
+    swa_full: bool
+    build: str
+
+    @property
+    def partial_reuse(self) -> bool:
+        """Whether a restored state may be trimmed to any shorter prefix of its tokens.
+
+        Measured on llama-cpp-python 0.3.36 (tests/test_kv_identity.py): the
+        per-sequence state of a sliding-window model holds only the SWA cells of
+        its last window (positions ``n - n_swa .. n - 1``), with or without
+        ``swa_full``. A restored state therefore continues exactly from its end
+        (``keep == n``) or after replaying its last token (``keep == n - 1``: that
+        position's window is all there), and nothing shorter: a removal below
+        that succeeds in llama.cpp but leaves a window with holes, and the logits
+        differ. Models without a window keep every position.
+        """
+        return self.n_swa == 0
+
+    def min_keep(self, saved_tokens: int) -> int:
+        """The fewest of ``saved_tokens`` restored positions a request may keep (then evaluate from there)."""
+        return 0 if self.partial_reuse else max(saved_tokens - 1, 0)
+
+    def check_reuse(self, saved_tokens: int, keep: int) -> None:
+        """Refuse (``reason="sliding_window"``) keeping ``keep`` of ``saved_tokens`` restored positions when the
+        restored state cannot give exact logits from there (see :attr:`partial_reuse`)."""
+        if keep < self.min_keep(saved_tokens):
+            raise StateMismatchError(
+                f"a restored sliding-window state (window {self.n_swa}) holds only the cells of its last window: "
+                f"it continues from its {saved_tokens} saved tokens (or replays the last one) but cannot be "
+                f"trimmed to {keep}",
+                reason="sliding_window",
+            )
+
+    def restored_ok(self, saved_tokens: int, pos_min: int, pos_max: int) -> bool:
+        """Whether a sequence's ``seq_pos_min``/``seq_pos_max`` after ``seq_state_load`` are what a
+        ``saved_tokens`` state must leave: every position, or (sliding window) at least the last window."""
+        if pos_max != saved_tokens - 1:
+            return False
+        return pos_min == 0 if self.partial_reuse else 0 <= pos_min <= max(saved_tokens - self.n_swa, 0)
+
+    @classmethod
+    def for_context(cls, ctx: Any, *, model_sha256: str, adapter_sha256: str | None, build: str) -> "KVIdentity":
+        """The identity of a ``NativeContext`` (duck-typed: ``params``, ``n_ctx``, ``model.n_swa``).
+
+        ``build`` is ``_engine.engine_build()``; the caller passes it so this module stays pure.
+        """
+        params = ctx.params
+        return cls(
+            model_sha256=model_sha256,
+            adapter_sha256=adapter_sha256,
+            type_k=params.kv_cache_type,
+            type_v=params.kv_cache_type,
+            n_ctx=int(ctx.n_ctx),
+            n_seq_max=int(params.n_seq_max),
+            kv_unified=bool(params.kv_unified),
+            flash_attention=str(params.flash_attention),
+            n_swa=int(getattr(ctx.model, "n_swa", 0) or 0),
+            swa_full=bool(params.swa_full),
+            build=build,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> "KVIdentity":
+        """Parse a header's identity; a missing, extra or mistyped field is ``corrupt``."""
+        if not isinstance(value, dict):
+            raise StateMismatchError("the state header's identity is not an object", reason="corrupt")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if set(value) != set(fields):
+            raise StateMismatchError("the state header's identity has missing or unknown fields", reason="corrupt")
+        for name, expected in _FIELD_TYPES.items():
+            item = value[name]
+            ok = (
+                (expected is str and isinstance(item, str))
+                or (expected is int and isinstance(item, int) and not isinstance(item, bool))
+                or (expected is bool and isinstance(item, bool))
+                or (expected == "str|None" and (item is None or isinstance(item, str)))
+            )
+            if not ok:
+                raise StateMismatchError(f"the state header's identity field {name!r} has the wrong type", reason="corrupt")
+        return cls(**value)
+
+
+_FIELD_TYPES: dict[str, Any] = {
+    "model_sha256": str, "adapter_sha256": "str|None", "type_k": str, "type_v": str, "n_ctx": int,
+    "n_seq_max": int, "kv_unified": bool, "flash_attention": str, "n_swa": int, "swa_full": bool, "build": str,
+}
+
+# The order mismatches are reported in: the most telling first.
+_CHECKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("foreign_model", ("model_sha256",)),
+    ("foreign_adapter", ("adapter_sha256",)),
+    ("foreign_build", ("build",)),
+    ("foreign_kv_type", ("type_k", "type_v")),
+    ("layout", ("n_ctx", "n_seq_max", "kv_unified", "flash_attention", "n_swa", "swa_full")),
+)
+
+
+def _check_identity(found: KVIdentity, expected: KVIdentity) -> None:
+    for reason, names in _CHECKS:
+        for name in names:
+            a, b = getattr(found, name), getattr(expected, name)
+            if a != b:
+                raise StateMismatchError(
+                    f"the saved state does not match this context: {name} is {_short(a)} in the file, "
+                    f"{_short(b)} here",
+                    reason=reason,
+                )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A verified state file: its identity, tokens, the caller's metadata and the native payload."""
+
+    identity: KVIdentity
+    tokens: tuple[int, ...]
+    meta: Any
+    payload: bytes
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be int32: {exc}") from exc
+
+
+def pack(identity: KVIdentity, tokens: Sequence[int], payload: bytes, *, meta: Any = None) -> bytes:
+    """One state file's bytes: ``identity``, the ``tokens`` the state holds, ``payload`` and optional ``meta``.
+
+    ``meta`` is any JSON value (a saved conversation's history). Sizes above the caps
+    raise ``ValueError``: the writer never produces a file the reader would refuse.
+    """
+    if len(tokens) > MAX_TOKENS:
+        raise ValueError(f"{len(tokens)} tokens exceed the state file cap of {MAX_TOKENS}")
+    if len(payload) > DEFAULT_MAX_PAYLOAD_BYTES:
+        raise ValueError(f"a {len(payload)}-byte payload exceeds the cap of {DEFAULT_MAX_PAYLOAD_BYTES}")
+    token_bytes = _tokens_bytes(tokens)
+    meta_bytes = b"" if meta is None else json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode()
+    if len(meta_bytes) > MAX_META_BYTES:
+        raise ValueError(f"{len(meta_bytes)} bytes of metadata exceed the cap of {MAX_META_BYTES}")
+    header = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "identity": identity.to_json(),
+            "n_tokens": len(tokens),
+            "meta_bytes": len(meta_bytes),
+            "payload_bytes": len(payload),
+            "body_sha256": _body_digest(token_bytes, meta_bytes, payload),
+        },
+        separators=(",", ":"),
+        sort_keys=True,
+    ).encode()
+    if len(header) > MAX_HEADER_BYTES:
+        raise ValueError(f"a {len(header)}-byte header exceeds the cap of {MAX_HEADER_BYTES}")
+    return b"".join(
+        (_PREFIX.pack(MAGIC, len(header)), header, hashlib.sha256(header).digest(), token_bytes, meta_bytes, payload)
+    )
+
+
+def _body_digest(token_bytes: "bytes | memoryview", meta_bytes: "bytes | memoryview", payload: "bytes | memoryview") -> str:
+    h = hashlib.sha256()
+    for part in (token_bytes, meta_bytes, payload):
+        h.update(part)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Header:
+    identity: KVIdentity
+    n_tokens: int
+    meta_bytes: int
+    payload_bytes: int
+    body_sha256: str
+    body_offset: int
+
+    @property
+    def end(self) -> int:
+        return self.body_offset + 4 * self.n_tokens + self.meta_bytes + self.payload_bytes
+
+
+def _parse_header(prefix: bytes, *, max_payload_bytes: int) -> _Header:
+    """Validate the magic, header and header digest in ``prefix`` (the file's first bytes)."""
+    if len(prefix) < _PREFIX.size:
+        if MAGIC.startswith(prefix[: len(MAGIC)]):
+            raise StateMismatchError(f"the state file ends after {len(prefix)} bytes, inside its prefix", reason="truncated")
+        raise StateMismatchError("not an aner_nb state file (bad magic)", reason="corrupt")
+    magic, header_len = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC:
+        raise StateMismatchError("not an aner_nb state file (bad magic)", reason="corrupt")
+    if header_len == 0 or header_len > MAX_HEADER_BYTES:
+        raise StateMismatchError(
+            f"the state header declares {header_len} bytes; allowed 1..{MAX_HEADER_BYTES}", reason="corrupt"
+        )
+    body_offset = _PREFIX.size + header_len + _DIGEST
+    if len(prefix) < body_offset:
+        raise StateMismatchError(f"the state file ends after {len(prefix)} bytes, inside its header", reason="truncated")
+    header = prefix[_PREFIX.size : _PREFIX.size + header_len]
+    if hashlib.sha256(header).digest() != prefix[_PREFIX.size + header_len : body_offset]:
+        raise StateMismatchError("the state header's checksum does not match", reason="corrupt")
+    try:
+        doc = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StateMismatchError(f"the state header is not JSON: {exc}", reason="corrupt") from None
+    if not isinstance(doc, dict):
+        raise StateMismatchError("the state header is not a JSON object", reason="corrupt")
+    version = doc.get("format")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise StateMismatchError(f"the state header's format {_short(version)} is not a version", reason="corrupt")
+    if version > FORMAT_VERSION:
+        raise StateMismatchError(
+            f"the state file has format {version}; this version of aner_nb reads format {FORMAT_VERSION}",
+            reason="newer_format",
+        )
+    keys = {"format", "identity", "n_tokens", "meta_bytes", "payload_bytes", "body_sha256"}
+    if set(doc) != keys:
+        raise StateMismatchError("the state header has missing or unknown fields", reason="corrupt")
+    identity = KVIdentity.from_json(doc["identity"])
+    caps = {"n_tokens": MAX_TOKENS, "meta_bytes": MAX_META_BYTES, "payload_bytes": max_payload_bytes}
+    for name, cap in caps.items():
+        value = doc[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= cap:
+            raise StateMismatchError(f"the state header's {name} {_short(value)} is outside 0..{cap}", reason="corrupt")
+    digest = doc["body_sha256"]
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise StateMismatchError("the state header's body_sha256 is not a SHA-256 hex digest", reason="corrupt")
+    return _Header(identity, doc["n_tokens"], doc["meta_bytes"], doc["payload_bytes"], digest, body_offset)
+
+
+def _finish(header: _Header, body: "bytes | memoryview", total: int) -> Unpacked:
+    """Check sizes and the body digest of a file of ``total`` bytes whose body is ``body`` (no copy of it
+    but the payload's own)."""
+    if total < header.end:
+        raise StateMismatchError(
+            f"the state file has {total} bytes; its header declares {header.end}", reason="truncated"
+        )
+    if total > header.end:
+        raise StateMismatchError(
+            f"the state file has {total - header.end} bytes after its declared end", reason="corrupt"
+        )
+    token_end = 4 * header.n_tokens
+    meta_end = token_end + header.meta_bytes
+    view = memoryview(body)
+    token_bytes, meta_bytes, payload = view[:token_end], view[token_end:meta_end], view[meta_end:]
+    if _body_digest(token_bytes, meta_bytes, payload) != header.body_sha256:
+        raise StateMismatchError("the state file's checksum does not match its contents", reason="corrupt")
+    meta: Any = None
+    if meta_bytes:
+        try:
+            meta = json.loads(bytes(meta_bytes).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise StateMismatchError("the state file's metadata is not JSON", reason="corrupt") from None
+    tokens = struct.unpack(f"<{header.n_tokens}i", token_bytes)
+    return Unpacked(header.identity, tokens, meta, body if meta_end == 0 and isinstance(body, bytes) else bytes(payload))
+
+
+def unpack_full(
+    data: bytes, expected_identity: KVIdentity, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> Unpacked:
+    """Verify ``data`` against ``expected_identity``; raise ``StateMismatchError`` (with ``reason``) or return it all."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise StateMismatchError(f"state data must be bytes, not {type(data).__name__}", reason="corrupt")
+    view = memoryview(data).cast("B")
+    header = _parse_header(bytes(view[: _PREFIX.size + MAX_HEADER_BYTES + _DIGEST]), max_payload_bytes=max_payload_bytes)
+    _check_identity(header.identity, expected_identity)
+    return _finish(header, view[header.body_offset :], len(view))
+
+
+def unpack(
+    data: bytes, expected_identity: KVIdentity, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> tuple[tuple[int, ...], bytes]:
+    """``(tokens, payload)`` of a state file's bytes, verified against ``expected_identity``."""
+    out = unpack_full(data, expected_identity, max_payload_bytes=max_payload_bytes)
+    return out.tokens, out.payload
+
+
+def read_file(
+    path: os.PathLike[str] | str, expected_identity: KVIdentity, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+) -> Unpacked:
+    """Read and verify one state file, header first: a foreign or oversized file's body is never read.
+
+    ``OSError`` (missing file, permissions) propagates; everything about the
+    contents raises ``StateMismatchError``.
+    """
+    with open(path, "rb") as f:
+        total = os.fstat(f.fileno()).st_size
+        prefix = f.read(min(total, _PREFIX.size + MAX_HEADER_BYTES + _DIGEST))
+        header = _parse_header(prefix, max_payload_bytes=max_payload_bytes)
+        _check_identity(header.identity, expected_identity)
+        if total != header.end:  # sizes first: never allocate what the header does not declare
+            return _finish(header, b"", total)
+        f.seek(header.body_offset)
+        body = f.read(header.end - header.body_offset)
+    return _finish(header, body, header.body_offset + len(body))
+
+
+def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: a unique temporary file in the same folder, fsync, ``os.replace``.
+
+    Readers see the old file or the new one, never a partial write; two processes
+    writing the same path each replace it with a whole file (the last one wins).
+    On failure (a full disk) the temporary file is removed and the ``OSError`` propagates.
+    """
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable; best effort where directories cannot be opened
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)

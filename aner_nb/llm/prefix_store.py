@@ -1,0 +1,335 @@
+"""The prefix tiers applied to contexts: save a sequence's KV into RAM/disk, restore the longest stored prefix.
+
+:class:`PrefixStore` owns one lease's :class:`~aner_nb.llm.prefix_tiers.RamTier`
+and :class:`~aner_nb.llm.prefix_tiers.DiskTier` and its counters. Saving
+serialises a sequence (``NativeContext.seq_state_bytes``) and stamps it with
+the context's :class:`~aner_nb.llm.kv_identity.KVIdentity` (``kv_identity.pack``).
+Restoring verifies a stored entry against this lease's identity
+(``kv_identity.unpack`` / ``read_file``, header first, bounded by the tier's
+budget) and its token ids against the request's before llama.cpp sees the
+payload; anything that does not match is skipped, counted by reason, logged,
+and the request runs cold. A restore that llama.cpp refuses, or that does not
+leave exactly the stored positions, is cleared again and counted as
+``load_failed``.
+
+Sliding-window models: a state is only restored when the context keeps the
+full SWA cache (``swa_full``), so a restored prefix can be trimmed like a live
+one; :func:`check_tiers_allowed` refuses the tiers otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import kv_identity
+from .errors import ConfigurationError, LLMError, StateMismatchError
+from .kv_identity import KVIdentity
+from .prefix_tiers import TIER_CODES, DiskTier, RamTier, TierConfig, TierStats, common_length
+
+__all__ = ["Restored", "PrefixStore", "check_tiers_allowed"]
+
+log = logging.getLogger(__name__)
+
+
+def check_tiers_allowed(config: TierConfig, *, n_swa: int, swa_full: bool) -> None:
+    """Refuse tiers on a sliding-window context without the full SWA cache (restores would not be exact)."""
+    if config.enabled and n_swa > 0 and not swa_full:
+        raise ConfigurationError(
+            f"prefix tiers (prefix_cache_ram_bytes / prefix_cache_dir) need the full sliding-window cache on this "
+            f"model (sliding window {n_swa}): a window-sized SWA cache saves only the last {n_swa} positions, so a "
+            "restored prefix would not be the evaluated one; this profile's contexts keep only the window",
+            param="prefix_cache_dir" if config.directory else "prefix_cache_ram_bytes",
+        )
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore put into a sequence: ``keep`` prompt tokens from ``tier`` (``"ram"`` or ``"disk"``)."""
+
+    tier: str
+    keep: int
+    stored: int  # tokens the entry held (keep may be less: the request's last token is replayed)
+    bytes_read: int
+    duration: int  # ns
+
+    @property
+    def code(self) -> int:
+        return TIER_CODES[self.tier]
+
+
+class PrefixStore:
+    """One lease's RAM and disk tiers. ``identity`` gives the identity of a context of this lease."""
+
+    def __init__(
+        self, config: TierConfig, identity: Callable[[Any], KVIdentity], *, trivial_prefix: int = 0, n_swa: int = 0
+    ) -> None:
+        self.config = config
+        # A sliding-window model's saved state holds only the last window of its SWA layers' cells (even
+        # from a full SWA cache), so a restored entry continues exactly from its end but cannot be cut
+        # shorter: only entries that are a whole prefix of the prompt are used, never trimmed.
+        self.n_swa = n_swa
+        self.exact_only = n_swa > 0
+        self._identity_of = identity
+        self._identity: KVIdentity | None = None
+        self.trivial_prefix = trivial_prefix
+        self.ram = RamTier(config.ram_bytes) if config.ram_bytes > 0 else None
+        self.disk = (
+            DiskTier(config.directory, config.disk_bytes, kv_identity.write_atomic) if config.directory else None
+        )
+        self.stats = TierStats()
+        self._suspect: set[Path] = set()  # disk files skipped: a later save may replace them
+
+    def identity(self, ctx: Any) -> KVIdentity:
+        if self._identity is None:
+            self._identity = self._identity_of(ctx)
+        return self._identity
+
+    # -- saving --------------------------------------------------------------------
+    def wants_disk(self, tokens: Sequence[int]) -> bool:
+        """Whether ``tokens`` should be written through to disk (not there yet, or a skipped file is)."""
+        if self.disk is None or len(tokens) <= self.trivial_prefix:
+            return False
+        path = self.disk.path_for(tokens)
+        return path in self._suspect or not path.exists()
+
+    def save(self, ctx: Any, seq: int, tokens: Sequence[int], *, ram: bool, disk: bool, pinned: bool = False) -> int:
+        """Serialise ``seq`` (holding exactly ``tokens``) into the RAM tier and/or disk; bytes stored (both tiers).
+
+        Failures (no state, a full or read-only directory) are counted and logged, never raised:
+        a tier is an optimisation.
+        """
+        tokens = tuple(tokens)
+        ram = ram and self.ram is not None and len(tokens) > self.trivial_prefix
+        disk = disk and self.wants_disk(tokens)
+        if not (ram or disk):
+            return 0
+        try:
+            if ctx.seq_pos_max(seq) != len(tokens) - 1:
+                self.stats.skip("load_failed", "the sequence does not hold exactly the prefix to save")
+                return 0
+            blob = kv_identity.pack(self.identity(ctx), tokens, ctx.seq_state_bytes(seq))
+        except (LLMError, ValueError) as exc:
+            self.stats.skip("save_failed", str(exc))
+            return 0
+        return self.put(tokens, blob, ram=ram, disk=disk, pinned=pinned)
+
+    def put(self, tokens: tuple[int, ...], blob: bytes, *, ram: bool, disk: bool, pinned: bool = False) -> int:
+        """Store a packed entry; whatever leaves RAM goes to disk (when configured and not there).
+
+        Returns the bytes stored, in RAM and on disk together.
+        """
+        written = 0
+        spill: list[tuple[tuple[int, ...], bytes]] = []
+        if ram and self.ram is not None:
+            spill = self.ram.put(tokens, blob, pinned=pinned)
+            if not any(k == tokens for k, _ in spill):
+                written += len(blob)
+                with self.stats.lock:
+                    self.stats.bytes_written["ram"] += len(blob)
+        if disk:
+            spill.append((tokens, blob))
+        for key, data in spill:
+            if self.wants_disk(key):
+                written += self._write_disk(key, data)
+        return written
+
+    def _write_disk(self, tokens: tuple[int, ...], blob: bytes) -> int:
+        assert self.disk is not None
+        try:
+            n = self.disk.write(tokens, blob)
+        except OSError as exc:
+            self.stats.skip("write_failed", f"{self.disk.directory}: {exc}")
+            return 0
+        if n == 0:
+            self.stats.skip("too_large", f"{len(blob)} bytes above the disk tier's {self.disk.budget}")
+        self._suspect.discard(self.disk.path_for(tokens))
+        with self.stats.lock:
+            self.stats.bytes_written["disk"] += n
+        return n
+
+    # -- restoring -----------------------------------------------------------------
+    def restore(self, ctx: Any, seq: int, prompt: Sequence[int], *, better_than: int) -> Restored | None:
+        """Load the longest stored prefix of ``prompt`` into ``seq`` if it keeps more than ``better_than`` tokens.
+
+        ``seq`` is cleared first. Returns None (``seq`` empty) when nothing
+        usable is stored; every skipped entry is counted by reason.
+        """
+        prompt = tuple(prompt)
+        floor = max(better_than, self.trivial_prefix)
+        if len(prompt) - 1 <= floor:
+            return None
+        t0 = time.perf_counter_ns()
+        identity = self.identity(ctx)
+        ram = self.ram.best(prompt, min_common=floor + 1) if self.ram is not None else None
+        disk = self.disk.best(prompt, min_common=floor + 1) if self.disk is not None else []
+        if self.exact_only:  # whole prefixes only, ending before the prompt's last token (see __init__)
+            limit = len(prompt) - 1
+            key = self.ram.longest(prompt[:limit], min_tokens=floor + 1) if self.ram is not None else None
+            ram = (key, len(key)) if key is not None else None
+            disk = [c for c in disk if c[0] == len(c[1]) <= limit]
+        # The tier that keeps the most tokens serves; RAM before disk on equal matches.
+        if ram is not None and not (disk and disk[0][0] > ram[1]):
+            assert self.ram is not None
+            key = ram[0]
+            blob = self.ram.get(key)
+            if blob is not None:
+                got = self._load(ctx, seq, prompt, key, blob, identity, "ram", t0)
+                if got is not None:
+                    return got
+            self.ram.discard(key)  # it did not load: never try it again
+        for _, stored, path in disk:
+            got = self._load_file(ctx, seq, prompt, stored, path, identity, t0)
+            if got is not None:
+                return got
+        with self.stats.lock:
+            self.stats.misses += 1
+        return None
+
+    def _load_file(
+        self, ctx: Any, seq: int, prompt: tuple[int, ...], stored: tuple[int, ...], path: Path, identity: KVIdentity,
+        t0: int,
+    ) -> Restored | None:
+        assert self.disk is not None
+        try:
+            size = path.stat().st_size
+            if size > self.disk.budget:
+                raise StateMismatchError(f"{path.name} is {size} bytes, above the tier's budget", reason="too_large")
+            unpacked = kv_identity.read_file(path, identity, max_payload_bytes=self.disk.budget)
+        except StateMismatchError as exc:
+            self._suspect.add(path)
+            self.stats.skip(exc.reason, f"{path.name}: {exc}")
+            return None
+        except OSError as exc:  # removed by another process, unreadable
+            self.stats.skip("read_failed", f"{path.name}: {exc}")
+            return None
+        try:
+            path.touch()  # most recently used now (mtime is the disk tier's recency)
+        except OSError:
+            pass
+        return self._load_unpacked(ctx, seq, prompt, stored, unpacked.tokens, unpacked.payload, "disk", size, t0)
+
+    def _load(
+        self, ctx: Any, seq: int, prompt: tuple[int, ...], key: tuple[int, ...], blob: bytes, identity: KVIdentity,
+        tier: str, t0: int,
+    ) -> Restored | None:
+        try:
+            tokens, payload = kv_identity.unpack(blob, identity)
+        except StateMismatchError as exc:
+            self.stats.skip(exc.reason, f"{tier} entry of {len(key)} tokens: {exc}")
+            return None
+        return self._load_unpacked(ctx, seq, prompt, key, tokens, payload, tier, len(blob), t0)
+
+    def _load_unpacked(
+        self, ctx: Any, seq: int, prompt: tuple[int, ...], key: tuple[int, ...], tokens: tuple[int, ...],
+        payload: bytes, tier: str, nbytes: int, t0: int,
+    ) -> Restored | None:
+        if tuple(tokens) != key:
+            self.stats.skip("tokens", f"a {tier} entry's token ids are not the ones it is stored under")
+            return None
+        n = len(tokens)
+        keep = min(common_length(tokens, prompt), len(prompt) - 1)
+        if self.exact_only and keep != n:
+            self.stats.skip("sliding_window", f"a {tier} entry of {n} tokens would have to be cut to {keep}")
+            return None
+        try:
+            ctx.seq_rm(seq, 0, -1)
+            ctx.seq_state_load(seq, payload)
+            # Without a sliding window every position must be back; with one, the SWA layers keep the last window.
+            lowest = ctx.seq_pos_min(seq)
+            covered = lowest == 0 or (self.exact_only and 0 <= lowest <= max(0, n - self.n_swa))
+            ok = covered and ctx.seq_pos_max(seq) == n - 1 and (keep == n or ctx.trim(seq, keep))
+        except LLMError as exc:
+            ok = False
+            log.info("prefix tier: llama.cpp did not load a %s entry: %s", tier, exc)
+        if not ok:
+            ctx.seq_rm(seq, 0, -1)
+            self.stats.skip("load_failed", f"a {tier} entry of {n} tokens did not restore exactly")
+            return None
+        with self.stats.lock:
+            self.stats.hits[tier] += 1
+            self.stats.bytes_read[tier] += nbytes
+            self.stats.restored_tokens += keep
+        return Restored(tier, keep, n, nbytes, time.perf_counter_ns() - t0)
+
+    # -- summaries -----------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Counters (hits and bytes by tier, misses, skips by reason) and what each tier holds now."""
+        out = self.stats.snapshot()
+        out["held_bytes"] = {"ram": self.ram_bytes, **({"disk": self.disk.bytes} if self.disk is not None else {})}
+        out["held_entries"] = {"ram": self.ram_entries, **({"disk": self.disk.entries} if self.disk is not None else {})}
+        return out
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.ram.bytes if self.ram is not None else 0
+
+    @property
+    def ram_entries(self) -> int:
+        return self.ram.entries if self.ram is not None else 0
+
+    def close(self) -> None:
+        if self.ram is not None:
+            self.ram.clear()
+
+
+def tier_store(weights: Any, profile: Any, params: Any, *, trivial_prefix: int) -> PrefixStore | None:
+    """The tiers a profile asks for (``prefix_cache_ram_bytes`` / ``_dir`` / ``_disk_bytes``), or None.
+
+    Refuses a sliding-window context without the full SWA cache
+    (:func:`check_tiers_allowed`). Entries are stamped with the weights'
+    SHA-256, the profile's adapter, the context's layout and the engine build.
+    """
+    opt = profile.optimizer
+    config = TierConfig(opt.prefix_cache_ram_bytes, opt.prefix_cache_dir, opt.prefix_cache_disk_bytes)
+    if not config.enabled:
+        return None
+    check_tiers_allowed(config, n_swa=int(getattr(weights.native, "n_swa", 0) or 0), swa_full=params.swa_full)
+    from ._engine import engine_build  # the build string is read once, when the identity is first needed
+
+    def identity(ctx: Any) -> KVIdentity:
+        return KVIdentity.for_context(
+            ctx, model_sha256=weights.fingerprint, adapter_sha256=profile.adapter, build=engine_build()
+        )
+
+    n_swa = int(getattr(weights.native, "n_swa", 0) or 0)
+    return PrefixStore(config, identity, trivial_prefix=trivial_prefix, n_swa=n_swa)
+
+
+def system_prefix_length(weights: Any, messages: Any, tokens: Sequence[int]) -> int:
+    """Prompt tokens before the first user message's content (0 when it cannot be told, or there is none).
+
+    The render is split into template text and message contents
+    (:mod:`aner_nb.llm.prompt_layout`); the text before the first user
+    message's content is tokenized and the length it shares with ``tokens`` is
+    returned, so the result is always an exact prefix of the prompt's ids
+    (a token merged across the boundary is left out).
+    """
+    from .prompt_layout import locate_contents, template_layout
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return 0
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+    if first is None or not messages[first].get("content"):
+        return 0
+    try:
+        template = weights.template
+        text = template.render(list(messages), add_generation_prompt=True)
+        layout = template_layout(template, list(messages))
+        pieces = locate_contents(text, layout, [m["content"] for m in messages]) if layout is not None else None
+    except LLMError:
+        return 0
+    if pieces is None:
+        return 0
+    before: list[str] = []
+    for piece, index in pieces:
+        if index == first:
+            break
+        before.append(piece)
+    else:
+        return 0
+    ids = weights.native.tokenize("".join(before), add_special=False, parse_special=True)
+    return common_length(ids, tokens)
