@@ -143,13 +143,18 @@ def _fill(args: argparse.Namespace) -> None:
               f"{len(files)} file(s), {size:,} bytes", flush=True)
 
 
-def _measure_restart(args: argparse.Namespace) -> None:
+def _open_model(args: argparse.Namespace) -> tuple:
+    """The model choice, threads, the loaded model (4,096 cells) and its plain latency lease, header printed."""
     choice = resolve(args.model)
     threads = _threads(args)
     model = choice.load(context=4096)
     print(header(choice, model), flush=True)
     _print_machine(threads)
-    cold = model.with_optimizer(threads=threads, prefill_threads=threads)
+    return choice, threads, model, model.with_optimizer(threads=threads, prefill_threads=threads)
+
+
+def _measure_restart(args: argparse.Namespace) -> None:
+    choice, threads, model, cold = _open_model(args)
     text = evidence_of_tokens(model, args.prefix_tokens)
     cases = [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
 
@@ -185,12 +190,7 @@ def _measure_restart(args: argparse.Namespace) -> None:
 
 
 def _rotation(args: argparse.Namespace) -> None:
-    choice = resolve(args.model)
-    threads = _threads(args)
-    model = choice.load(context=4096)
-    print(header(choice, model), flush=True)
-    _print_machine(threads)
-    cold = model.with_optimizer(threads=threads, prefill_threads=threads)
+    choice, threads, model, cold = _open_model(args)
     ram = _tiered(model, threads, entries=2, prefix_cache_ram_bytes=8 << 30)
     texts = [evidence_of_tokens(model, args.prefix_tokens, seed=1888 + i) for i in range(8)]
     cases = [bench.Case(f"p{i + 1}", f"{t}\n\nQuestion: {QUESTIONS[i % len(QUESTIONS)]}", args.max_tokens)
