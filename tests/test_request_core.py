@@ -20,7 +20,7 @@ from aner_nb.llm.lifetime import Lifetime
 CTX = 256
 PART_CLASSES = (
     timings.ProfileTimings, timings.PoolTimings, timings.PrefixCacheTimings, timings.QueueTimings,
-    timings.RunTimings, timings.SpeculativeTimings, timings.BatchTimings,
+    timings.RunTimings, timings.SpeculativeTimings, timings.BatchTimings, timings.PrefixTierTimings,
 )
 
 
@@ -45,8 +45,9 @@ def test_every_timings_field_has_exactly_one_producing_part_and_display_metadata
         assert f.metadata["unit"] in timings.UNITS and f.metadata["label"] and f.metadata["part"]
     assert [f.name for f in llm.timing_fields(unit="ns")] == [
         "queue_duration", "context_clear_duration", "prompt_eval_duration", "first_token_duration",
-        "decode_duration", "total_duration",
+        "decode_duration", "total_duration", "prefix_restore_duration",
     ]
+    assert set(PART_CLASSES) == set(timings.TimingsPart.__subclasses__())  # a new part is listed here too
 
 
 def test_assemble_refuses_a_field_set_by_two_parts_and_leaves_the_rest_unmeasured():
