@@ -24,6 +24,22 @@ after a warm-up round. Target: >= 40x faster first token restored.
 ~1,600-token prefixes in rotation on a lease with 2 live entries, cold against
 the RAM tier. Target: >= 20x faster first token.
 
+``--no-hits`` (what the tiers cost when nothing is reused): every request a new
+~1,600-token prompt, on a latency lease with one live entry, tiers off against
+RAM + disk tiers on (each retained prompt written through to disk, each evicted
+one kept in RAM). Measured from the caller: wall time of the whole call, the
+tiers' saves included. Target: requests per second with tiers >= 0.98x without.
+
+``--restart --llama-server PATH`` also measures llama.cpp's own server on the
+same prompts: the fill process has a server (``-np 1 --slot-save-path``,
+``--swa-full`` so a sliding-window model's state is whole) answer each question
+and save its slot to a file; the measuring process starts a new server (the
+restart) and, per request, restores the question's file (``POST
+/slots/0?action=restore``) and streams the same request. Its figure is restore
+plus first token, as the server's client sees it; ours is the first token of a
+request on a new lease whose prefix comes from the disk tier (context creation,
+file read, checks and restore included).
+
 Both sides run with equal ``n_threads`` / ``n_threads_batch`` (``--threads``,
 default the logical CPUs), printed with the CPU's features.
 """
@@ -36,6 +52,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
 from _workloads import QUESTIONS, evidence_of_tokens
@@ -51,12 +68,14 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--restart", action="store_true", help="disk tier: fill in one process, measure in a fresh one")
     parser.add_argument("--rotation", action="store_true", help="RAM tier: 8 prefixes in rotation, 2 live entries")
+    parser.add_argument("--no-hits", action="store_true", help="tiers on vs off when every prompt is new")
+    parser.add_argument("--llama-server", default=None, help="--restart: also measure this llama-server's slot restore")
     parser.add_argument("--threads", type=int, default=0, help="n_threads = n_threads_batch for every side")
     parser.add_argument("--cache-dir", default=None, help="--restart: the disk tier's directory (default: a new temp dir)")
     parser.add_argument("--phase", choices=("fill", "measure"), default=None, help=argparse.SUPPRESS)
     add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
-    if args.restart or args.rotation or args.phase:
+    if args.restart or args.rotation or args.no_hits or args.phase:
         args.prefix_tokens = args.prefix_tokens or 1600
         return tiers_main(args)
     args.prefix_tokens = args.prefix_tokens or 1500
@@ -114,10 +133,13 @@ def tiers_main(args: argparse.Namespace) -> None:
         return _measure_restart(args)
     if args.rotation:
         return _rotation(args)
+    if args.no_hits:
+        return _no_hits(args)
     directory = args.cache_dir or tempfile.mkdtemp(prefix="aner-prefix-tiers-")
     base = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--threads", str(_threads(args)),
             "--prefix-tokens", str(args.prefix_tokens), "--max-tokens", str(args.max_tokens),
-            "--rounds", str(args.rounds), "--cache-dir", directory] + (["--json", args.json] if args.json else [])
+            "--rounds", str(args.rounds), "--cache-dir", directory] + (["--json", args.json] if args.json else []) + (
+                ["--llama-server", args.llama_server] if args.llama_server else [])
     print(f"disk tier: {directory}", flush=True)
     subprocess.run(base + ["--phase", "fill"], check=True)
     subprocess.run(base + ["--phase", "measure"], check=True)  # a fresh process: a restarted kernel
@@ -135,12 +157,28 @@ def _fill(args: argparse.Namespace) -> None:
         text = evidence_of_tokens(model, args.prefix_tokens)
         # The cells a notebook runs before its kernel restarts: the same questions the fresh process asks.
         # (On a sliding-window model an entry restores whole only, so the prompts must be the same.)
-        for q in QUESTIONS[1:]:
-            r = lease.generate(f"{text}\n\nQuestion: {q}", max_tokens=args.max_tokens)
+        for case in _restart_cases(text, args):
+            r = lease.generate(case.prompt, max_tokens=args.max_tokens)
         files = [f for f in os.listdir(args.cache_dir) if f.endswith(".kv")]
         size = sum(os.path.getsize(os.path.join(args.cache_dir, f)) for f in files)
         print(f"fill process: {len(QUESTIONS) - 1} prompts of ~{r.usage.prompt_tokens} tokens; disk tier holds "
               f"{len(files)} file(s), {size:,} bytes", flush=True)
+        if args.llama_server:
+            import _llama_slots
+
+            prompts = {case.name: list(model.prompt_tokens(case.prompt)) for case in _restart_cases(text, args)}
+            os.makedirs(_slot_dir(args), exist_ok=True)
+            _llama_slots.fill(args.llama_server, model.path, prompts, context=4096, threads=threads,
+                              slot_dir=_slot_dir(args), n_predict=args.max_tokens)
+
+
+def _slot_dir(args: argparse.Namespace) -> str:
+    return os.path.join(args.cache_dir, "llama-server-slots")  # a subdirectory: the disk tier reads *.kv only
+
+
+def _restart_cases(text: str, args: argparse.Namespace) -> list:
+    """The questions both processes ask (on a sliding-window model an entry restores whole only)."""
+    return [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
 
 
 def _open_model(args: argparse.Namespace) -> tuple:
@@ -156,7 +194,7 @@ def _open_model(args: argparse.Namespace) -> tuple:
 def _measure_restart(args: argparse.Namespace) -> None:
     choice, threads, model, cold = _open_model(args)
     text = evidence_of_tokens(model, args.prefix_tokens)
-    cases = [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
+    cases = _restart_cases(text, args)
 
     def restored(case: bench.Case) -> dict:
         # A new lease per request: nothing live, nothing in RAM; only the disk tier the other process filled.
@@ -175,17 +213,112 @@ def _measure_restart(args: argparse.Namespace) -> None:
             r = lease.generate(case.prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
         return bench.response_row(r)
 
-    result = bench.run_sides(
-        [bench.Side("cold", cold_fresh), bench.Side("restored", restored)], cases, rounds=args.rounds, warmup=1,
-        baseline="cold", manifest_=bench.manifest(cold, benchmark="prefix_restart", **manifest_fields(choice, model)),
-    )
+    sides = [bench.Side("cold", cold_fresh), bench.Side("restored", restored)]
+    server = None
+    if args.llama_server:
+        import _llama_slots
+        import httpx
+
+        # A new server: the restart. Same threads and cells as our side.
+        server = _llama_slots.start(args.llama_server, model.path, context=4096, threads=threads,
+                                    slot_dir=_slot_dir(args))
+        client = httpx.Client()
+
+        def server_restore(case: bench.Case) -> dict:
+            return _llama_slots.restore_and_ask(client, server[1], case.name, list(model.prompt_tokens(case.prompt)),
+                                                case.max_tokens)
+
+        sides.append(bench.Side("llama_server_restore", server_restore))
+    try:
+        result = bench.run_sides(
+            sides, cases, rounds=args.rounds, warmup=1, baseline="cold",
+            manifest_=bench.manifest(cold, benchmark="prefix_restart", llama_server=args.llama_server,
+                                     **manifest_fields(choice, model)),
+        )
+    finally:
+        if server is not None:
+            client.close()
+            _llama_slots.stop(server[0])
     _report(result, model, "restored", ("first_token_ms", "prompt_eval_ms", "cached_input_tokens"), 40, args)
+    if server is not None:
+        _report_server(result)
     f = result.frame
     r = f[f.side == "restored"]
     print(f"restored from disk: tier codes {sorted(set(r.tier.astype(int)))} (3 = disk), restored tokens "
           f"{int(r.restored_tokens.median())}, restore {r.restore_ms.median():.1f} ms median, "
           f"{int(r.bytes_read.median()):,} bytes read")
     cold.close()
+    model.close()
+
+
+def _report_server(result) -> None:
+    """Ours restored vs llama-server restore + request, paired by round and case."""
+    f = result.frame
+    ours = f[f.side == "restored"].set_index(["round", "case"]).first_token_ms
+    srv = f[f.side == "llama_server_restore"].set_index(["round", "case"])
+    paired = (srv.first_token_ms / ours).dropna()
+    print(f"llama-server restore + first token: median {srv.first_token_ms.median():.1f} ms "
+          f"({srv.first_token_ms.min():.1f}-{srv.first_token_ms.max():.1f}); restore alone {srv.restore_ms.median():.1f} ms; "
+          f"restored tokens {int(srv.restored_tokens.median())}, cache_n {int(srv.cache_n.median())}, "
+          f"prompt_n {int(srv.prompt_n.median())}")
+    print(f"ours restored: median {ours.median():.1f} ms ({ours.min():.1f}-{ours.max():.1f}); llama-server / ours: "
+          f"ratio of medians {srv.first_token_ms.median() / ours.median():.2f}, paired median {paired.median():.2f} "
+          f"({paired.min():.2f}-{paired.max():.2f}); >= 1 means ours is no slower")
+    same = result.same_outputs("llama_server_restore")
+    print(f"llama-server outputs identical to our cold run: {int(same.sum())}/{len(same)}", flush=True)
+
+
+def _no_hits(args: argparse.Namespace) -> None:
+    choice, threads, model, _plain = _open_model(args)
+    _plain.close()
+    directory = args.cache_dir or tempfile.mkdtemp(prefix="aner-prefix-nohits-")
+    off = _tiered(model, threads)
+    on = _tiered(model, threads, prefix_cache_ram_bytes=8 << 30, prefix_cache_dir=directory)
+    calls: dict[tuple[str, str], int] = {}
+    seeds = iter(range(10_000, 1_000_000))
+    texts: dict[tuple[str, int], str] = {}
+
+    def side(name: str, lease):
+        def run(case: bench.Case) -> dict:
+            # The k-th call of a case gets the same new prompt on both sides, never seen before by either.
+            k = calls[(name, case.name)] = calls.get((name, case.name), -1) + 1
+            if (case.name, k) not in texts:
+                texts[(case.name, k)] = evidence_of_tokens(model, args.prefix_tokens, seed=next(seeds))
+            prompt = f"{texts[(case.name, k)]}\n\nQuestion: {case.prompt}"
+            t0 = time.perf_counter()
+            r = lease.generate(prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
+            wall = time.perf_counter() - t0
+            row = bench.response_row(r)
+            row["wall_ms"] = 1000.0 * wall
+            row["requests_per_s"] = 1.0 / wall
+            return row
+        return bench.Side(name, run)
+
+    cases = [bench.Case(f"q{i + 1}", q, args.max_tokens) for i, q in enumerate(QUESTIONS)]
+    result = bench.run_sides(
+        [side("tiers_off", off), side("tiers_on", on)], cases, rounds=args.rounds, warmup=1, baseline="tiers_off",
+        manifest_=bench.manifest(on, benchmark="prefix_no_hits", **manifest_fields(choice, model)),
+    )
+    summary = result.summary(("wall_ms", "requests_per_s", "first_token_ms", "cached_input_tokens"))
+    print(summary.to_string(index=False))
+    f = result.frame
+    a = f[f.side == "tiers_off"].set_index(["round", "case"]).wall_ms
+    b = f[f.side == "tiers_on"].set_index(["round", "case"]).wall_ms
+    paired = (a / b).dropna()
+    ratio = f[f.side == "tiers_off"].wall_ms.median() / f[f.side == "tiers_on"].wall_ms.median()
+    print(f"\nrequests per second, tiers on / off: ratio of medians {ratio:.3f}, paired median {paired.median():.3f} "
+          f"({paired.min():.3f}-{paired.max():.3f}) (target >= 0.98)")
+    same = result.same_outputs("tiers_on")
+    print(f"identical outputs: {int(same.sum())}/{len(same)}")
+    stats = on.prefix_tier_stats()
+    print(f"tiers: hits {stats['hits']}, misses {stats['misses']}, skips {stats['skips']}, "
+          f"held {stats['held_entries']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"), "ratio": ratio,
+                       "paired": paired.median(), "identical": int(same.sum())}, out, indent=2, default=str)
+    on.close()
+    off.close()
     model.close()
 
 

@@ -165,6 +165,23 @@ def test_live_hit_reports_the_live_tier(base, cold):
         assert r.tokens == cold[QUESTIONS[1]] and r.timings.prefix_cache_tier == TIER_CODES["live"]
 
 
+def test_a_short_match_keeps_the_long_entry_in_ram_before_cutting_it(base, cold):
+    """A request sharing only a short head with the one live entry reuses that head, but the entry's
+    longer prefix goes to the RAM tier first, so asking over it again restores it (not the head alone)."""
+    head = "Shared header for every topic.\n"
+    with base.with_optimizer(prefix_cache_entries=1) as plain:
+        want = plain.generate(head + LONG + "\n" + QUESTIONS[0], max_tokens=8).tokens
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_ram_bytes=64 << 20) as fast:
+        fast.generate(head + LONG + "\n" + QUESTIONS[1], max_tokens=8)
+        short = fast.generate(head + "A different, much shorter topic.", max_tokens=4)
+        assert short.timings.prefix_cache_tier == TIER_CODES["live"]  # the head came from live KV
+        assert short.timings.prefix_tier_bytes_written > 0  # the long entry was kept before the cut
+        again = fast.generate(head + LONG + "\n" + QUESTIONS[0], max_tokens=8)
+        assert again.tokens == want
+        assert again.timings.prefix_cache_tier == TIER_CODES["ram"]
+        assert again.timings.prefix_restored_tokens > short.usage.cached_input_tokens + 64
+
+
 def test_tiers_off_leave_the_fields_unmeasured(base):
     with base.with_optimizer(prefix_cache_entries=1) as fast:
         t = ask(fast, QUESTIONS[0]).timings

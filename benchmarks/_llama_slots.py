@@ -1,0 +1,105 @@
+"""llama.cpp's server as the reference for restoring a prefix after a restart: slot save and restore.
+
+The server keeps one slot's KV in a file chosen by the client (``--slot-save-path
+DIR``, then ``POST /slots/0?action=save`` / ``?action=restore`` with a file name);
+nothing restores a prefix by itself. ``--swa-full`` is passed so a sliding-window
+model's slot state is whole (without it the restored slot's window is missing and
+the next request re-evaluates everything: the issue measured ``cache_n`` 0).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import httpx
+from bench_llama_server import free_port
+
+
+def start(binary: str, model: str, *, context: int, threads: int, slot_dir: str) -> tuple[subprocess.Popen, str]:
+    """One slot, prompt cache on, the given threads for prompt and decode, slots saved under ``slot_dir``."""
+    port = free_port()
+    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(context),
+           "-t", str(threads), "-tb", str(threads), "--cache-prompt", "--swa-full", "--slot-save-path", slot_dir,
+           "--no-webui", "-fa", "auto"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("llama-server did not become healthy in 120 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def ask(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> dict:
+    """One streamed greedy ``/completion`` with the prompt cache on: first-token ms, tokens, the server's timings."""
+    body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
+            "stream": True, "return_tokens": True}
+    t0 = time.perf_counter()
+    first, out, timings = None, [], {}
+    with client.stream("POST", f"{url}/completion", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            got = event.get("tokens") or []
+            if got and first is None:
+                first = time.perf_counter() - t0
+            out += got
+            if event.get("stop"):
+                timings = event.get("timings") or {}
+                break
+    return {"first_token_ms": 1000.0 * (time.perf_counter() - t0 if first is None else first),
+            "tokens": tuple(out), "cache_n": int(timings.get("cache_n", -1)), "prompt_n": int(timings.get("prompt_n", -1))}
+
+
+def slot(client: httpx.Client, url: str, action: str, filename: str) -> dict:
+    """``POST /slots/0?action=save|restore``; the server's answer (``n_saved`` / ``n_restored``, bytes, ms)."""
+    r = client.post(f"{url}/slots/0", params={"action": action}, json={"filename": filename}, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+def fill(binary: str, model: str, prompts: dict[str, list[int]], *, context: int, threads: int, slot_dir: str,
+         n_predict: int) -> None:
+    """Answer each prompt once on a fresh server and save its slot as ``NAME.bin``; then stop the server."""
+    proc, url = start(binary, model, context=context, threads=threads, slot_dir=slot_dir)
+    try:
+        with httpx.Client() as client:
+            for name, tokens in prompts.items():
+                ask(client, url, tokens, n_predict)
+                saved = slot(client, url, "save", f"{name}.bin")
+                print(f"llama-server saved {name}: {saved.get('n_saved')} tokens, {saved.get('n_written'):,} bytes",
+                      flush=True)
+    finally:
+        stop(proc)
+
+
+def restore_and_ask(client: httpx.Client, url: str, name: str, tokens: list[int], n_predict: int) -> dict:
+    """Restore ``NAME.bin`` into slot 0, then the request: restore + first token as the client waits for them."""
+    t0 = time.perf_counter()
+    restored = slot(client, url, "restore", f"{name}.bin")
+    restore_ms = 1000.0 * (time.perf_counter() - t0)
+    row = ask(client, url, tokens, n_predict)
+    row["restore_ms"] = restore_ms
+    row["request_first_token_ms"] = row["first_token_ms"]
+    row["first_token_ms"] = restore_ms + row["first_token_ms"]
+    row["restored_tokens"] = int(restored.get("n_restored", -1))
+    return row
