@@ -9,34 +9,17 @@ the next request re-evaluates everything: the issue measured ``cache_n`` 0).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
 import httpx
-from bench_llama_server import free_port
+from bench_llama_server import start_server, stream_completion
 
 
 def start(binary: str, model: str, *, context: int, threads: int, slot_dir: str) -> tuple[subprocess.Popen, str]:
     """One slot, prompt cache on, the given threads for prompt and decode, slots saved under ``slot_dir``."""
-    port = free_port()
-    cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", str(context),
-           "-t", str(threads), "-tb", str(threads), "--cache-prompt", "--swa-full", "--slot-save-path", slot_dir,
-           "--no-webui", "-fa", "auto"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("llama-server did not become healthy in 120 s")
+    return start_server(binary, model, 1, context, threads, cache_prompt=True,
+                        extra=("--swa-full", "--slot-save-path", slot_dir))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -49,25 +32,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 def ask(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> dict:
     """One streamed greedy ``/completion`` with the prompt cache on: first-token ms, tokens, the server's timings."""
-    body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
-            "stream": True, "return_tokens": True}
-    t0 = time.perf_counter()
-    first, out, timings = None, [], {}
-    with client.stream("POST", f"{url}/completion", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            got = event.get("tokens") or []
-            if got and first is None:
-                first = time.perf_counter() - t0
-            out += got
-            if event.get("stop"):
-                timings = event.get("timings") or {}
-                break
-    return {"first_token_ms": 1000.0 * (time.perf_counter() - t0 if first is None else first),
-            "tokens": tuple(out), "cache_n": int(timings.get("cache_n", -1)), "prompt_n": int(timings.get("prompt_n", -1))}
+    timings: dict = {}
+    first, out = stream_completion(client, url, tokens, n_predict, timings)
+    return {"first_token_ms": 1000.0 * first, "tokens": tuple(out), "cache_n": int(timings.get("cache_n", -1)),
+            "prompt_n": int(timings.get("prompt_n", -1))}
 
 
 def slot(client: httpx.Client, url: str, action: str, filename: str) -> dict:

@@ -59,16 +59,17 @@ def free_port() -> int:
 
 def start_server(
     binary: str, model: str, slots: int, context: int, threads: int, *, cache_prompt: bool = False,
-    batch: tuple[int, int] | None = None,
+    batch: tuple[int, int] | None = None, extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """A llama-server on a free port: ``-np slots``, ``-c context``, ``-t``/``-tb threads``; prompt cache
-    off unless ``cache_prompt``; ``batch`` = (``-b``, ``-ub``) when given."""
+    off unless ``cache_prompt``; ``batch`` = (``-b``, ``-ub``) when given; ``extra`` flags appended."""
     port = free_port()
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-c", str(context),
            "-t", str(threads), "-tb", str(threads), "--cache-prompt" if cache_prompt else "--no-cache-prompt",
            "--no-webui", "-fa", "auto"]
     if batch is not None:
         cmd += ["-b", str(batch[0]), "-ub", str(batch[1])]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -93,8 +94,12 @@ def complete(client: httpx.Client, url: str, tokens: list[int], n_predict: int) 
     return list(r.json()["tokens"])
 
 
-def stream_completion(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> tuple[float, list[int]]:
-    """One streamed /completion with the prompt cache on: (seconds to the first token, the tokens)."""
+def stream_completion(
+    client: httpx.Client, url: str, tokens: list[int], n_predict: int, timings: dict | None = None
+) -> tuple[float, list[int]]:
+    """One streamed /completion with the prompt cache on: (seconds to the first token, the tokens).
+
+    ``timings``, when given, receives the server's timings of the request (``cache_n``, ``prompt_n``, ...)."""
     body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
             "stream": True, "return_tokens": True}
     t0 = time.perf_counter()
@@ -110,6 +115,8 @@ def stream_completion(client: httpx.Client, url: str, tokens: list[int], n_predi
                 first = time.perf_counter() - t0
             out += got
             if event.get("stop"):
+                if timings is not None:
+                    timings.update(event.get("timings") or {})
                 break
     return (time.perf_counter() - t0 if first is None else first), out
 
