@@ -132,6 +132,13 @@ class BenchResult:
         f = self.frame
         return float(f[f.side == side][metric].median() / f[f.side == self.baseline][metric].median())
 
+    def paired(self, side: str, metric: str, *, over: str | None = None) -> pd.Series:
+        """Per round and case: ``metric`` on ``side`` over the same round's and case's on ``over`` (the baseline)."""
+        f = self.frame
+        a = f[f.side == side].set_index(["round", "case"])[metric].astype(float)
+        b = f[f.side == (over or self.baseline)].set_index(["round", "case"])[metric].astype(float)
+        return (a / b).dropna()
+
     def same_outputs(self, side: str) -> pd.Series:
         """Per case: does ``side`` produce the baseline's output (compared by output hash)?"""
         f = self.frame
