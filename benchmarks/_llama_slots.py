@@ -30,7 +30,33 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def ask(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> dict:
+def text_prompt(client: httpx.Client, url: str, text: str, tokens: list[int]) -> "str | list[int]":
+    """``text`` (the rendered prompt) if the server tokenizes it to exactly ``tokens``, else ``tokens``.
+
+    The measured request then sends text, as a client does, so the server's
+    tokenization is in its figure as ours is in ours. ``/completion`` adds the
+    model's BOS itself, so a render that starts with it is also tried without.
+    """
+    body = {"add_special": True, "parse_special": True}
+    for candidate in (text, *_without_bos(client, url, text, tokens)):
+        r = client.post(f"{url}/tokenize", json={"content": candidate, **body}, timeout=60)
+        r.raise_for_status()
+        if r.json().get("tokens") == tokens:
+            return candidate
+    print("llama-server: the rendered text does not tokenize to our ids there; sending the ids", flush=True)
+    return tokens
+
+
+def _without_bos(client: httpx.Client, url: str, text: str, tokens: list[int]) -> list[str]:
+    if not tokens:
+        return []
+    r = client.post(f"{url}/detokenize", json={"tokens": tokens[:1]}, timeout=60)
+    r.raise_for_status()
+    piece = r.json().get("content", "")
+    return [text[len(piece):]] if piece and text.startswith(piece) else []
+
+
+def ask(client: httpx.Client, url: str, tokens: "list[int] | str", n_predict: int) -> dict:
     """One streamed greedy ``/completion`` with the prompt cache on: first-token ms, tokens, the server's timings."""
     timings: dict = {}
     first, out = stream_completion(client, url, tokens, n_predict, timings)
@@ -60,12 +86,13 @@ def fill(binary: str, model: str, prompts: dict[str, list[int]], *, context: int
         stop(proc)
 
 
-def restore_and_ask(client: httpx.Client, url: str, name: str, tokens: list[int], n_predict: int) -> dict:
-    """Restore ``NAME.bin`` into slot 0, then the request: restore + first token as the client waits for them."""
+def restore_and_ask(client: httpx.Client, url: str, name: str, prompt: "list[int] | str", n_predict: int) -> dict:
+    """Restore ``NAME.bin`` into slot 0, then the request (``prompt``: ids, or text from :func:`text_prompt`):
+    restore + first token as the client waits for them."""
     t0 = time.perf_counter()
     restored = slot(client, url, "restore", f"{name}.bin")
     restore_ms = 1000.0 * (time.perf_counter() - t0)
-    row = ask(client, url, tokens, n_predict)
+    row = ask(client, url, prompt, n_predict)
     row["restore_ms"] = restore_ms
     row["request_first_token_ms"] = row["first_token_ms"]
     row["first_token_ms"] = restore_ms + row["first_token_ms"]

@@ -95,9 +95,11 @@ def complete(client: httpx.Client, url: str, tokens: list[int], n_predict: int) 
 
 
 def stream_completion(
-    client: httpx.Client, url: str, tokens: list[int], n_predict: int, timings: dict | None = None
+    client: httpx.Client, url: str, tokens: "list[int] | str", n_predict: int, timings: dict | None = None
 ) -> tuple[float, list[int]]:
     """One streamed /completion with the prompt cache on: (seconds to the first token, the tokens).
+
+    ``tokens`` is the prompt's ids, or its text (the server tokenizes it).
 
     ``timings``, when given, receives the server's timings of the request (``cache_n``, ``prompt_n``, ...)."""
     body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,

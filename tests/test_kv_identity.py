@@ -105,7 +105,8 @@ def test_newer_format_is_its_own_reason() -> None:
         lambda d: d.update(format=0),
         lambda d: d.update(format="1"),
         lambda d: d.update(format=True),
-        lambda d: d.pop("body_sha256"),
+        lambda d: d.pop("body_xxh3_128"),
+        lambda d: d.update(body_sha256="0" * 64),  # a format 1 field in a format 2 header
         lambda d: d.update(extra=1),
         lambda d: d.update(identity=[]),
         lambda d: d["identity"].update(n_ctx="256"),
@@ -115,12 +116,44 @@ def test_newer_format_is_its_own_reason() -> None:
         lambda d: d.update(n_tokens=kv_identity.MAX_TOKENS + 1),
         lambda d: d.update(meta_bytes=kv_identity.MAX_META_BYTES + 1),
         lambda d: d.update(payload_bytes=kv_identity.DEFAULT_MAX_PAYLOAD_BYTES + 1),
-        lambda d: d.update(body_sha256="0" * 64),
-        lambda d: d.update(body_sha256=None),
+        lambda d: d.update(body_xxh3_128="0" * 32),
+        lambda d: d.update(body_xxh3_128="0" * 64),
+        lambda d: d.update(body_xxh3_128=None),
     ],
 )
 def test_malformed_headers_are_corrupt(edit) -> None:
     assert reason_of(_reheader(SMALL, edit)) == "corrupt"
+
+
+def _format_1(data: bytes) -> bytes:
+    """The same file as format 1 wrote it: ``body_sha256`` over tokens, meta and payload."""
+    import hashlib
+
+    _, n = struct.unpack_from("<8sI", data)
+    body = data[12 + n + 32 :]
+
+    def edit(doc: dict) -> None:
+        del doc["body_xxh3_128"]
+        doc.update(format=1, body_sha256=hashlib.sha256(body).hexdigest())
+
+    return _reheader(data, edit)
+
+
+def test_format_1_files_are_still_read_and_checked() -> None:
+    data = pack(IDENTITY, TOKENS, PAYLOAD, meta={"trusted": [1]})
+    old = _format_1(data)
+    assert json.loads(old[12 : 12 + struct.unpack_from("<8sI", old)[1]])["format"] == 1
+    full = unpack_full(old, IDENTITY)
+    assert (full.tokens, bytes(full.payload), full.meta) == (TOKENS, PAYLOAD, {"trusted": [1]})
+    assert reason_of(old[:-1] + bytes([old[-1] ^ 1])) == "corrupt"  # its SHA-256 is checked
+    # and a format 1 header with the format 2 checksum field is malformed
+    assert reason_of(_reheader(data, lambda d: d.update(format=1))) == "corrupt"
+
+
+def test_a_flipped_payload_bit_anywhere_is_corrupt() -> None:
+    data = pack(IDENTITY, TOKENS, PAYLOAD)
+    for i in (len(data) - len(PAYLOAD), len(data) - len(PAYLOAD) // 2, len(data) - 1):
+        assert reason_of(data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1 :]) == "corrupt"
 
 
 def test_caps_are_checked_before_the_body_is_needed() -> None:

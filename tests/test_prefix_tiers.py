@@ -204,12 +204,40 @@ def test_ram_tier_bytes_bound_holds(base):
 def test_evicted_prefix_restored_from_disk(base, cold, tmp_path):
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fast:
         ask(fast, QUESTIONS[0])
+        assert fast._state.pool.store.flush(timeout=60)  # disk writes leave the request's thread
         assert len(list(tmp_path.glob("*.kv"))) == 1  # written through on retention
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fresh:  # an empty pool
         r = ask(fresh, QUESTIONS[2])
         assert r.tokens == cold[QUESTIONS[2]]
         assert r.timings.prefix_cache_tier == TIER_CODES["disk"] and r.timings.prefix_restored_tokens > 20
         assert fresh._state.pool.store.stats.snapshot()["hits"] == {"disk": 1}
+
+
+def test_a_prefix_still_queued_for_disk_is_served_from_the_queue(base, cold, tmp_path, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    real = kv_identity.write_atomic
+
+    def slow_disk(path, data):  # the writer thread waits here: the write stays queued
+        assert release.wait(120)
+        real(path, data)
+
+    monkeypatch.setattr(kv_identity, "write_atomic", slow_disk)
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fast:
+        store = fast._state.pool.store
+        try:
+            ask(fast, QUESTIONS[0])  # returns at once although its write-through has not reached the disk
+            assert not list(tmp_path.glob("*.kv")) and store.snapshot()["queued_disk_bytes"] > 0
+            fast.generate("Something else entirely, with no shared evidence at all.", max_tokens=4)  # evicts
+            again = ask(fast, QUESTIONS[1])
+            assert again.tokens == cold[QUESTIONS[1]]
+            assert again.timings.prefix_cache_tier == TIER_CODES["disk"] and again.timings.prefix_restored_tokens > 20
+        finally:
+            release.set()
+        assert store.flush(timeout=60) and store.snapshot()["queued_disk_bytes"] == 0
+        assert store.stats.snapshot()["hits"] == {"disk": 1}
+    assert len(list(tmp_path.glob("*.kv"))) >= 2 and not list(tmp_path.glob("*.tmp"))  # close waited for the writes
 
 
 # -- faults: every request equals the cold run, nothing wrong is restored, each case is counted ------
@@ -225,6 +253,7 @@ def fresh_request(base, directory: Path, cold, question: str = QUESTIONS[2], **k
     """A new lease (empty pool) over ``directory``: its answer, timings and the tiers' counters."""
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=directory, **kwargs) as lease:
         r = ask(lease, question)
+        assert lease._state.pool.store.flush(timeout=60)  # its write (or failed write) is counted
         stats = lease._state.pool.store.stats.snapshot()
     assert r.tokens == cold[question]
     return r, stats
@@ -306,6 +335,7 @@ def test_disk_bytes_bound_holds(base, tmp_path):
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path / "d", prefix_cache_disk_bytes=bound) as fast:
         for i in range(5):
             fast.generate(f"Topic {i}: " + LONG, max_tokens=2)
+            assert fast._state.pool.store.flush(timeout=60)
             total = sum(p.stat().st_size for p in (tmp_path / "d").iterdir())
             assert total <= bound
     assert len(list((tmp_path / "d").glob("*.kv"))) == 2

@@ -553,7 +553,7 @@ class NativeContext(_Owner):
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
     # -- per-sequence state (llama_state_seq_*): KV of one sequence as bytes -------
-    def seq_state_bytes(self, seq: int) -> bytes:
+    def seq_state_bytes(self, seq: int) -> bytearray:
         """Sequence ``seq``'s serialised state (its KV cells, and the SWA cells it keeps).
 
         A sliding-window cache created without ``swa_full`` holds only the last
@@ -565,11 +565,14 @@ class NativeContext(_Owner):
         size = int(lib.llama_state_seq_get_size(ptr, seq))
         if size <= 0:
             raise EngineError(f"llama.cpp reported no state for sequence {seq}")
-        buf = (ctypes.c_uint8 * size)()
-        written = int(lib.llama_state_seq_get_data(ptr, buf, size, seq))
+        out = bytearray(size)  # llama.cpp copies straight into it: one copy of the KV, not two
+        view = (ctypes.c_uint8 * size).from_buffer(out)
+        written = int(lib.llama_state_seq_get_data(ptr, view, size, seq))
+        del view  # release the export before the bytearray may be resized
         if written <= 0 or written > size:
             raise EngineError(f"llama_state_seq_get_data copied {written} of {size} bytes for sequence {seq}")
-        return ctypes.string_at(buf, written)
+        del out[written:]
+        return out
 
     def seq_state_load(self, seq: int, data: bytes) -> int:
         """Load ``data`` (from ``seq_state_bytes`` on a context of the same identity) into ``seq``.
@@ -581,15 +584,16 @@ class NativeContext(_Owner):
         """
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
             raise EngineError(f"no state bytes to load into sequence {seq}")
-        raw = data if isinstance(data, bytes) else bytes(data)
-        # llama.cpp only reads the buffer (const uint8_t *): point at the bytes object's own storage, no copy
-        buf = ctypes.cast(ctypes.c_char_p(raw), ctypes.POINTER(ctypes.c_uint8))
+        # llama.cpp only reads the buffer (const uint8_t *): point at the caller's storage (read-only views
+        # included, through numpy's buffer protocol), no copy of a 40 MB state
+        raw = np.frombuffer(data, dtype=np.uint8)
+        buf = raw.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         with engine_log.capturing() as lines:
-            read = int(self._lib.llama_state_seq_set_data(self.ptr, buf, len(raw), seq))
-        if read <= 0 or read > len(raw):
+            read = int(self._lib.llama_state_seq_set_data(self.ptr, buf, raw.size, seq))
+        if read <= 0 or read > raw.size:
             self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
             why = f": {lines[-1].strip()}" if lines else ""
-            raise EngineError(f"llama.cpp refused {len(raw)} state bytes for sequence {seq} (read {read}){why}")
+            raise EngineError(f"llama.cpp refused {raw.size} state bytes for sequence {seq} (read {read}){why}")
         return read
 
     # -- embedding contexts (ContextParams.embeddings) --------------------------

@@ -68,10 +68,12 @@ class LLMModel(Lease):
             pool: ContextPool | PrefixPool
             if opt.prefix_cache_entries:
                 trivial = template_opening(weights)
+                store = tier_store(weights, profile, params, trivial_prefix=trivial)
+                # A disk tier serves the first request after a restart: its context is made with the lease.
                 pool = PrefixPool(
                     weights.native, params, capacity=opt.prefix_cache_entries,
-                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=trivial,
-                    store=tier_store(weights, profile, params, trivial_prefix=trivial),
+                    max_tokens=opt.prefix_cache_tokens, trivial_prefix=trivial, store=store,
+                    warm=store is not None and store.disk is not None,
                 )
             else:
                 pool = ContextPool(weights.native, params, profile.max_idle_contexts)

@@ -124,7 +124,7 @@ class PrefixPool:
 
     def __init__(
         self, model: NativeModel, params: ContextParams, *, capacity: int, max_tokens: int, trivial_prefix: int,
-        store: PrefixStore | None = None,
+        store: PrefixStore | None = None, warm: bool = False,
     ) -> None:
         self.model = model
         self.store = store  # RAM / disk tiers behind the live entries, or None
@@ -138,8 +138,17 @@ class PrefixPool:
         self._lock = threading.Lock()
         self._closed = False
         self.created = 0
+        # ``warm``: the first context is made now, as llama.cpp's server makes its slots at start, so the
+        # first request (a restore from the disk tier after a restart) does not wait ~50 ms for one.
+        self._spare: ContextSlot | None = None
+        if warm:
+            self._spare = self._new_slot()
 
     def _new_slot(self) -> ContextSlot:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            return spare
         slot = new_slot(self.model, self.params)
         self.created += 1
         return slot
@@ -323,6 +332,7 @@ class PrefixPool:
         with self._lock:
             self._closed = True
             entries, self._entries = self._entries, []
-        free_all([e.slot for e in entries])
+            spare, self._spare = self._spare, None
+        free_all([e.slot for e in entries] + ([spare] if spare is not None else []))
         if self.store is not None:
             self.store.close()

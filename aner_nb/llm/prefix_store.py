@@ -12,6 +12,11 @@ and the request runs cold. A restore that llama.cpp refuses, or that does not
 leave exactly the stored positions, is cleared again and counted as
 ``load_failed``.
 
+Disk writes leave the request's thread (:mod:`aner_nb.llm.disk_writer`): the
+request serialises and packs the state, a low-priority writer thread writes and
+fsyncs it. An entry still queued is served from the queue (counted as a disk
+hit); :meth:`PrefixStore.flush` and :meth:`PrefixStore.close` wait for the queue.
+
 Sliding-window models: a state is only restored when the context keeps the
 full SWA cache (``swa_full``), so a restored prefix can be trimmed like a live
 one; :func:`check_tiers_allowed` refuses the tiers otherwise.
@@ -26,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import kv_identity
+from .disk_writer import DiskWriter
 from .errors import ConfigurationError, LLMError, StateMismatchError
 from .kv_identity import KVIdentity
 from .prefix_tiers import TIER_CODES, DiskTier, RamTier, TierConfig, TierStats, common_length
@@ -82,6 +88,7 @@ class PrefixStore:
         )
         self.stats = TierStats()
         self._suspect: set[Path] = set()  # disk files skipped: a later save may replace them
+        self.writer = DiskWriter(self.disk.write, self._written) if self.disk is not None else None
 
     def identity(self, ctx: Any) -> KVIdentity:
         if self._identity is None:
@@ -92,6 +99,9 @@ class PrefixStore:
     def wants_disk(self, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` should be written through to disk (not there yet, or a skipped file is)."""
         if self.disk is None or len(tokens) <= self.trivial_prefix:
+            return False
+        assert self.writer is not None
+        if self.writer.pending(tuple(tokens)) is not None:
             return False
         path = self.disk.path_for(tokens)
         return path in self._suspect or not path.exists()
@@ -138,18 +148,30 @@ class PrefixStore:
         return written
 
     def _write_disk(self, tokens: tuple[int, ...], blob: bytes) -> int:
-        assert self.disk is not None
-        try:
-            n = self.disk.write(tokens, blob)
-        except OSError as exc:
-            self.stats.skip("write_failed", f"{self.disk.directory}: {exc}")
+        """Queue a write to the disk tier (see :mod:`aner_nb.llm.disk_writer`); the bytes handed over."""
+        assert self.disk is not None and self.writer is not None
+        if len(blob) > self.disk.budget:
+            self.stats.skip("too_large", f"{len(blob)} bytes above the disk tier's {self.disk.budget}")
             return 0
+        self.writer.submit(tokens, blob)
+        return len(blob)
+
+    def _written(self, tokens: tuple[int, ...], blob: bytes, error: "OSError | None", n: int) -> None:
+        """The writer thread's report of one write: counted here, like every other tier event."""
+        assert self.disk is not None
+        if error is not None:
+            self.stats.skip("write_failed", f"{self.disk.directory}: {error}")
+            return
         if n == 0:
             self.stats.skip("too_large", f"{len(blob)} bytes above the disk tier's {self.disk.budget}")
+            return
         self._suspect.discard(self.disk.path_for(tokens))
         with self.stats.lock:
             self.stats.bytes_written["disk"] += n
-        return n
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued disk write is done (True), or ``timeout`` seconds (False)."""
+        return self.writer.flush(timeout) if self.writer is not None else True
 
     # -- restoring -----------------------------------------------------------------
     def restore(self, ctx: Any, seq: int, prompt: Sequence[int], *, better_than: int) -> Restored | None:
@@ -166,23 +188,33 @@ class PrefixStore:
         identity = self.identity(ctx)
         ram = self.ram.best(prompt, min_common=floor + 1) if self.ram is not None else None
         disk = self.disk.best(prompt, min_common=floor + 1) if self.disk is not None else []
+        queued = [(common_length(k, prompt), k) for k in (self.writer.pending_keys() if self.writer else ())]
+        queued = [(n, k) for n, k in queued if n > floor]
         if self.exact_only:  # whole prefixes only, ending before the prompt's last token (see __init__)
             limit = len(prompt) - 1
             key = self.ram.longest(prompt[:limit], min_tokens=floor + 1) if self.ram is not None else None
             ram = (key, len(key)) if key is not None else None
             disk = [c for c in disk if c[0] == len(c[1]) <= limit]
-        # The tier that keeps the most tokens serves; RAM before disk on equal matches.
-        if ram is not None and not (disk and disk[0][0] > ram[1]):
-            assert self.ram is not None
-            key = ram[0]
-            blob = self.ram.get(key)
-            if blob is not None:
-                got = self._load(ctx, seq, prompt, key, blob, identity, "ram", t0)
-                if got is not None:
-                    return got
-            self.ram.discard(key)  # it did not load: never try it again
-        for _, stored, path in disk:
-            got = self._load_file(ctx, seq, prompt, stored, path, identity, t0)
+            queued = [(n, k) for n, k in queued if n == len(k) <= limit]
+        # The entry that keeps the most tokens serves; on equal matches RAM, then a queued write, then a file.
+        candidates: list[tuple[int, int, Any]] = [(n, 1, k) for n, k in queued]
+        candidates += [(n, 2, (stored, path)) for n, stored, path in disk]
+        if ram is not None:
+            candidates.append((ram[1], 0, ram[0]))
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        for _, source, what in candidates:
+            if source == 0:
+                assert self.ram is not None
+                blob = self.ram.get(what)
+                got = self._load(ctx, seq, prompt, what, blob, identity, "ram", t0) if blob is not None else None
+                if got is None:
+                    self.ram.discard(what)  # it did not load: never try it again
+            elif source == 1:
+                assert self.writer is not None
+                blob = self.writer.pending(what)  # not on disk yet: the disk tier's entry, from the queue
+                got = self._load(ctx, seq, prompt, what, blob, identity, "disk", t0) if blob is not None else None
+            else:
+                got = self._load_file(ctx, seq, prompt, what[0], what[1], identity, t0)
             if got is not None:
                 return got
         with self.stats.lock:
@@ -261,6 +293,7 @@ class PrefixStore:
         out = self.stats.snapshot()
         out["held_bytes"] = {"ram": self.ram_bytes, **({"disk": self.disk.bytes} if self.disk is not None else {})}
         out["held_entries"] = {"ram": self.ram_entries, **({"disk": self.disk.entries} if self.disk is not None else {})}
+        out["queued_disk_bytes"] = self.writer.queued_bytes if self.writer is not None else 0
         return out
 
     @property
@@ -272,6 +305,9 @@ class PrefixStore:
         return self.ram.entries if self.ram is not None else 0
 
     def close(self) -> None:
+        """Finish the queued disk writes (the next process finds them), then drop the RAM tier."""
+        if self.writer is not None:
+            self.writer.close()
         if self.ram is not None:
             self.ram.clear()
 

@@ -572,6 +572,11 @@ class Scheduler:
         except BaseException:
             log.exception("freeing the batching scheduler's native state failed")
         finally:
+            if self.prefixes is not None and self.prefixes.tiers is not None:
+                try:  # the disk tier's queued writes land before the lease reports closed
+                    self.prefixes.tiers.close()
+                except BaseException:
+                    log.exception("closing the prefix tiers failed")
             _live.discard(self)
             self._on_exit()
 
