@@ -162,9 +162,6 @@ class PrefixStore:
         if error is not None:
             self.stats.skip("write_failed", f"{self.disk.directory}: {error}")
             return
-        if n == 0:
-            self.stats.skip("too_large", f"{len(blob)} bytes above the disk tier's {self.disk.budget}")
-            return
         self._suspect.discard(self.disk.path_for(tokens))
         with self.stats.lock:
             self.stats.bytes_written["disk"] += n
