@@ -5,6 +5,8 @@ DIR``, then ``POST /slots/0?action=save`` / ``?action=restore`` with a file name
 nothing restores a prefix by itself. ``--swa-full`` is passed so a sliding-window
 model's slot state is whole (without it the restored slot's window is missing and
 the next request re-evaluates everything: the issue measured ``cache_n`` 0).
+``--flash-attn off`` gives the server the attention kernel of our prefix-cache
+leases (``bench_prefix``'s docstring).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from bench_llama_server import start_server, stream_completion
 def start(binary: str, model: str, *, context: int, threads: int, slot_dir: str) -> tuple[subprocess.Popen, str]:
     """One slot, prompt cache on, the given threads for prompt and decode, slots saved under ``slot_dir``."""
     return start_server(binary, model, 1, context, threads, cache_prompt=True,
-                        extra=("--swa-full", "--slot-save-path", slot_dir))
+                        extra=("--swa-full", "--flash-attn", "off", "--slot-save-path", slot_dir))
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -46,7 +46,13 @@ derived, as the server makes its slots at start, so neither side's figure holds
 a context's creation).
 
 Both sides run with equal ``n_threads`` / ``n_threads_batch`` (``--threads``,
-default the logical CPUs), printed with the CPU's features.
+default the logical CPUs), printed with the CPU's features, and the same
+attention kernel: a lease with a prefix cache builds its contexts without flash
+attention on a CPU (``aner_nb.llm.reuse.reuse_attention``: that is what makes
+reuse bitwise exact), so every model here is loaded with
+``flash_attention="off"`` and llama-server gets ``--flash-attn off``; an
+uncached side with flash attention would run another kernel and could not be
+compared token for token (its prefill speed is about the same, RESULTS.md).
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
 from _workloads import QUESTIONS, evidence_of_tokens
 
 from aner_nb import bench
+
+ATTENTION = "off"  # every side's kernel: the one a prefix-cache lease uses on a CPU (see the docstring)
 
 
 def main() -> None:
@@ -86,7 +94,7 @@ def main() -> None:
     args.prefix_tokens = args.prefix_tokens or 1500
 
     choice = resolve(args.model)
-    model = choice.load(context=4096)
+    model = choice.load(context=4096, flash_attention=ATTENTION)
     print(header(choice, model), flush=True)
     cached = model.with_optimizer(prefix_cache_entries=1)
     text = evidence_of_tokens(model, args.prefix_tokens)
@@ -158,7 +166,7 @@ def _tiered(model, threads: int, **tiers):
 def _fill(args: argparse.Namespace) -> None:
     choice = resolve(args.model)
     threads = _threads(args)
-    with choice.load(context=4096) as model, _tiered(model, threads, prefix_cache_dir=args.cache_dir) as lease:
+    with choice.load(context=4096, flash_attention=ATTENTION) as model, _tiered(model, threads, prefix_cache_dir=args.cache_dir) as lease:
         text = evidence_of_tokens(model, args.prefix_tokens)
         # The cells a notebook runs before its kernel restarts: the same questions the fresh process asks.
         # (On a sliding-window model an entry restores whole only, so the prompts must be the same.)
@@ -190,7 +198,7 @@ def _open_model(args: argparse.Namespace) -> tuple:
     """The model choice, threads, the loaded model (4,096 cells) and its plain latency lease, header printed."""
     choice = resolve(args.model)
     threads = _threads(args)
-    model = choice.load(context=4096)
+    model = choice.load(context=4096, flash_attention=ATTENTION)
     print(header(choice, model), flush=True)
     _print_machine(threads)
     return choice, threads, model, model.with_optimizer(threads=threads, prefill_threads=threads)

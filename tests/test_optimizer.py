@@ -113,13 +113,15 @@ def test_repeated_prompt_is_served_from_cache_with_identical_output(base):
         assert cold.tokens == warm.tokens == expected.tokens
         assert cold.timings.prefix_cache_hit == 0 and cold.usage.cached_input_tokens == 0
         assert warm.timings.prefix_cache_hit == 1 and warm.timings.context_pool_reused == 1
-        # the last prompt token is replayed for its logits and is not counted as cached
-        assert warm.usage.cached_input_tokens == warm.usage.prompt_tokens - 1
-        assert warm.timings.evaluated_prompt_tokens == 1
+        # the last MIN_ROWS prompt tokens or a few more (the kept part ends on a row block) are evaluated
+        # again, for the last row's logits and with the uncached run's kernels (see reuse), and are not
+        # counted as cached
+        assert warm.usage.cached_input_tokens == llm.reuse.reuse_limit(warm.usage.prompt_tokens)
+        assert 8 <= warm.timings.evaluated_prompt_tokens < 8 + llm.reuse.ROW_BLOCK
         # what the pool held when each request arrived
         assert cold.timings.prefix_cache_entries == 0 and cold.timings.prefix_cache_retained_tokens == 0
         assert warm.timings.prefix_cache_entries == 1
-        assert warm.timings.prefix_cache_retained_tokens == warm.usage.prompt_tokens
+        assert warm.timings.prefix_cache_retained_tokens == llm.reuse.retained_rows(warm.usage.prompt_tokens, warm.usage.prompt_tokens)
 
 
 @pytest.mark.parametrize(
@@ -137,17 +139,56 @@ def test_cached_and_uncached_outputs_are_token_identical(base, first, second, hi
         assert r.tokens == greedy(base, second).tokens
         shared = llm.prefix_pool.common_prefix_length(base.prompt_tokens(first), base.prompt_tokens(second))
         assert r.timings.prefix_cache_hit == int(hit)
-        assert r.usage.cached_input_tokens == (min(shared, r.usage.prompt_tokens - 1) if hit else 0)
+        assert r.usage.cached_input_tokens == (llm.reuse.restore_point(shared, r.usage.prompt_tokens) if hit else 0)
         assert r.timings.evaluated_prompt_tokens == r.usage.prompt_tokens - r.usage.cached_input_tokens
+
+
+def logprob_rows(r):
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top]) for e in r.logprobs]
+
+
+@pytest.fixture(scope="module")
+def quantized(fixture_models):
+    with llm.load(fixture_models["llama_q8_0"], context=CTX) as m:
+        yield m
+
+
+@pytest.mark.parametrize("model", ["base", "quantized"])
+@pytest.mark.parametrize(
+    "earlier", [" Who is the clerk?", " W", " Who keeps the salt barn and the quay?" * 3, " Who is the treasurer? Be brief."],
+)
+def test_reuse_is_bitwise_exact_wherever_the_cached_part_ends(request, model, earlier):
+    """Every logprob of a cached request equals its uncached run's on the same kind of lease (``reuse``).
+
+    The earlier prompt shares the evidence and leaves the cache at another
+    point each time (a short, a one-word and a long continuation, and one
+    holding the whole question, so only the template's closing tokens differ),
+    so the restore point and the tail's micro-batches differ from the cold run's.
+    (f16 and q8_0 weights: quantized weights take other kernels for small micro-batches.)
+    """
+    base = request.getfixturevalue(model)
+    prompt = EVIDENCE + " Who is the treasurer?"
+    with base.with_optimizer(prefix_cache_entries=1) as cold_lease:
+        cold = cold_lease.generate(prompt, max_tokens=12, logprobs=True, top_logprobs=5)
+        assert cold.usage.cached_input_tokens == 0
+        # the context a prefix cache uses on a CPU runs attention without flash attention (reuse_attention)
+        assert cold_lease._params.flash_attention == "off" and base._params.flash_attention == "auto"
+    with base.with_optimizer(prefix_cache_entries=1) as fast:
+        fast.generate(EVIDENCE + earlier, max_tokens=4)
+        warm = fast.generate(prompt, max_tokens=12, logprobs=True, top_logprobs=5)
+    assert warm.usage.cached_input_tokens > 0 and warm.timings.evaluated_prompt_tokens >= llm.reuse.MIN_ROWS
+    assert warm.tokens == cold.tokens
+    assert logprob_rows(warm) == logprob_rows(cold)
 
 
 def test_retention_is_capped_by_prefix_cache_tokens(base):
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_tokens=10) as fast:
         greedy(fast, EVIDENCE)
         held = fast._state.pool.retained_tokens()
-        assert len(held) == 1 and held[0] == tuple(base.prompt_tokens(EVIDENCE)[:10])
+        # 10 capped, then cut to a row block (reuse.retained_rows)
+        assert len(held) == 1 and held[0] == tuple(base.prompt_tokens(EVIDENCE)[:8])
         r = greedy(fast, EVIDENCE)
-        assert r.usage.cached_input_tokens == 10
+        assert r.usage.cached_input_tokens == 8
 
 
 def test_template_only_match_keeps_the_useful_entry(base):
@@ -157,7 +198,7 @@ def test_template_only_match_keeps_the_useful_entry(base):
         pool = fast._state.pool
         assert pool.entries == 2 and pool.created == 2
         r = greedy(fast, EVIDENCE)
-        assert r.usage.cached_input_tokens == r.usage.prompt_tokens - 1
+        assert r.usage.cached_input_tokens == llm.reuse.reuse_limit(r.usage.prompt_tokens)
 
 
 def test_independent_profiles_and_loads_never_share_kv(base, llama_path):
@@ -218,7 +259,7 @@ def test_sliding_window_model_reuses_prefix_correctly(fixture_models):
                 r = greedy(fast, prompt, 12)
                 assert r.tokens == greedy(plain, prompt, 12).tokens
             # long_b took long_a's entry and trimmed it back to the shared prefix, below the window
-            assert r.usage.cached_input_tokens == shared
+            assert r.usage.cached_input_tokens == llm.reuse.restore_point(shared, r.usage.prompt_tokens) > 100
             short_a, short_b = "tell me one thing", "tell me two things"  # divergence inside the window
             greedy(fast, short_a, 12)
             r = greedy(fast, short_b, 12)

@@ -3,20 +3,28 @@
 from hypothesis import given, strategies as st
 
 from aner_nb.llm.prefix_pool import choose, common_prefix_length, lru_victim, retain_length, reusable_prefix
+from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, restore_point
 
 
 def test_common_prefix_and_replay_of_last_token():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
-    # a fully cached prompt still evaluates its last token (logits are call local)
-    assert reusable_prefix([1, 2, 3, 9], [1, 2, 3]) == 2
-    assert reusable_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    # a fully cached prompt still evaluates its last MIN_ROWS tokens or a few more (logits are call
+    # local, and a micro-batch of fewer rows takes other kernels); the kept part ends on a row block (reuse)
+    assert (MIN_ROWS, ROW_BLOCK) == (8, 4)
+    assert reusable_prefix(list(range(30)) + [99], list(range(30))) == 20
+    assert reusable_prefix(list(range(32)) + [99], list(range(32))) == 24
+    assert reusable_prefix(list(range(13)), list(range(40))) == 12
+    assert reusable_prefix(list(range(12)), list(range(12))) == 4
+    assert reusable_prefix(list(range(11)), list(range(11))) == 0
+    assert reusable_prefix([1, 2, 3], [1, 2, 3]) == 0
 
 
 def test_longest_prefix_entry_is_chosen():
-    entries = [(1, 2, 3, 4), (1, 2, 3, 4, 5, 6), (1, 9)]
-    choice = choose(entries, [1, 2, 3], [1, 2, 3, 4, 5, 7], trivial_prefix=1, capacity=3)
-    assert choice.entry == 1 and choice.keep == 5
+    entries = [(1, 2, 3, 4, 5), (*range(1, 10), 99), (1, 9)]
+    prompt = [*range(1, 10), *range(20, 40)]
+    choice = choose(entries, [1, 2, 3], prompt, trivial_prefix=1, capacity=3)
+    assert choice.entry == 1 and choice.keep == 8
 
 
 def test_ties_go_to_the_most_recent_entry():
@@ -41,6 +49,10 @@ def test_full_pool_recycles_the_least_recently_used_entry():
 def test_retention_cap():
     assert retain_length(100, 2048) == 100
     assert retain_length(3000, 2048) == 2048
+    # only rows any later prompt computes alike are kept: not the last len % ROW_BLOCK (gemv rows), and
+    # nothing of a prompt shorter than MIN_ROWS (one small micro-batch, other kernels)
+    assert retain_length(103, 2048) == 100 and retain_length(3000, 2050) == 2048
+    assert retain_length(MIN_ROWS - 1, 2048) == 0 and retain_length(MIN_ROWS, 2048) == MIN_ROWS
     assert lru_victim([4, 2, 9]) == 1
 
 
@@ -54,7 +66,7 @@ def test_choice_never_keeps_more_than_the_prompt_allows(entries, prompt, trivial
     choice = choose(entries, last_used, prompt, trivial_prefix=trivial, capacity=max(len(entries), 1))
     if choice.entry is not None:
         best = max(common_prefix_length(e, prompt) for e in entries)
-        assert choice.keep == min(best, len(prompt) - 1) and best > trivial
-        assert 0 <= choice.keep < len(prompt)
+        assert choice.keep == restore_point(best, len(prompt)) and best > trivial
+        assert choice.keep % ROW_BLOCK == 0 and 0 <= choice.keep <= max(0, len(prompt) - MIN_ROWS)
     else:
         assert choice.keep == 0

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from aner_nb import llm
 from aner_nb.llm import errors
 from aner_nb.llm.prefix_pool import common_prefix_length
+from aner_nb.llm.reuse import MIN_ROWS, restore_point
 from aner_nb.llm.shared_prefix import PrefixEntry, SharedPrefixes, best_entry, retention_stream, waits_for
 from test_batching import concurrently
 
@@ -33,13 +34,17 @@ def entry(seq, tokens, last_used, hits=0):
     return PrefixEntry(seq, tuple(tokens), last_used, hits)
 
 
-def test_best_entry_takes_the_longest_common_prefix_and_leaves_one_token():
+def test_best_entry_takes_the_longest_common_prefix_and_leaves_min_rows():
+    # the prompt's last MIN_ROWS tokens are always evaluated, the kept part ending on a row block (reuse)
+    tail = list(range(100, 100 + MIN_ROWS))
     a, b = entry(4, [1, 2, 3, 4, 5], 1), entry(5, [1, 2, 3, 9], 2)
-    assert best_entry([a, b], [1, 2, 3, 4, 7], trivial_prefix=1) == (a, 4)
-    assert best_entry([a, b], [1, 2, 3, 4, 5], trivial_prefix=1) == (a, 4)  # the last token is evaluated again
-    assert best_entry([a, b], [1, 2, 8], trivial_prefix=2) == (None, 0)  # template-only match
-    tie = best_entry([a, b], [1, 2, 3, 7], trivial_prefix=1)
-    assert tie == (b, 3)  # same length: the most recent
+    assert best_entry([a, b], [1, 2, 3, 4, 7, *tail], trivial_prefix=1) == (a, 4)
+    full = [1, 2, 3, 4, 5, 6, *tail]
+    assert best_entry([entry(4, full, 1), b], full, trivial_prefix=1) == (entry(4, full, 1), 4)  # the tail again
+    assert best_entry([a, b], [1, 2, 3, 4, 5], trivial_prefix=1) == (a, 0)  # too short to keep anything
+    assert best_entry([a, b], [1, 2, 8, *tail], trivial_prefix=2) == (None, 0)  # template-only match
+    c = entry(6, [1, 2, 3, 4, 6], 3)
+    assert best_entry([a, c], [1, 2, 3, 4, 9, *tail], trivial_prefix=1) == (c, 4)  # same length: the most recent
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -56,7 +61,7 @@ def test_best_entry_matches_a_brute_force_search(held, prompt, trivial):
         assert (chosen, keep) == (None, 0)
     else:
         assert common_prefix_length(chosen.tokens, prompt) == longest
-        assert keep == min(longest, len(prompt) - 1)
+        assert keep == restore_point(longest, len(prompt))
         assert chosen.tokens[:keep] == tuple(prompt[:keep])
 
 
@@ -84,12 +89,12 @@ def test_shared_prefixes_bookkeeping_counts_hits_and_replacements():
     assert p.placement([1, 2, 3, 4, 5, 6]) == (8, (1, 2, 3, 4))  # capped at max_tokens
     p.store(8, (1, 2, 3, 4))
     assert p.placement([1, 2, 3]) is None  # held already
-    found, keep = p.lookup([1, 2, 3, 7])
-    assert found is not None and found.seq == 8 and keep == 3
+    found, keep = p.lookup([1, 2, 3, 4, 7, *range(100, 100 + MIN_ROWS)])
+    assert found is not None and found.seq == 8 and keep == 4
     p.used(found, keep)
     p.store(9, (5, 6))
     assert p.placement([7, 7, 7]) == (9, (7, 7, 7))  # the entry without hits goes first
-    assert (p.hits, p.reused_tokens, p.retained, p.capacity, p.held_tokens) == (1, 3, 2, 2, 6)
+    assert (p.hits, p.reused_tokens, p.retained, p.capacity, p.held_tokens) == (1, 4, 2, 2, 6)
 
 
 # -- on the fixtures ------------------------------------------------------------------------------

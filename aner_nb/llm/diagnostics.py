@@ -1,8 +1,9 @@
 """Why two greedy outputs differ: replay plain greedy decoding and judge the emitted tokens.
 
-Batch shape changes the order of floating-point sums, so a prefix-cached,
-speculative or batched request can flip a near-tied greedy choice relative
-to plain decoding. ``first_divergence`` replays plain greedy decoding of
+Batch shape changes the order of floating-point sums, so a speculative or
+batched request can flip a near-tied greedy choice relative to plain
+decoding (a prefix-cached one too when its kernels are not the ones
+``reuse`` makes exact: flash attention asked for explicitly, a GPU). ``first_divergence`` replays plain greedy decoding of
 output ``a`` (prompt in one prefill, then one token per decode call, as an
 ordinary lease does) up to the first position where ``b`` differs, and reads
 the logits of the two *emitted* tokens there. It then evaluates the same

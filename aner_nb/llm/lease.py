@@ -60,7 +60,9 @@ class LLMModel(Lease):
         opt = profile.optimizer
         # Latency contexts keep a full sliding-window cache: prefix trims and rejected
         # proposals remove positions that a window-sized SWA cache may no longer hold.
-        params = context_params(weights, profile, swa_full=opt.is_latency_profile, adapter=adapter)
+        params = context_params(
+            weights, profile, swa_full=opt.is_latency_profile, adapter=adapter, reuses_prefixes=opt.prefix_cache_entries > 0,
+        )
         life = Lifetime(
             "lease", busy_advice=" (one request at a time per lease: wait, or use with_batching for concurrency)"
         )

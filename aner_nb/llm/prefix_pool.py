@@ -27,6 +27,7 @@ from .context_pool import Acquired, ContextSlot, free_all, new_slot
 from .errors import LLMError
 from .prefix_store import PrefixStore
 from .prefix_tiers import TIER_CODES
+from .reuse import ROW_BLOCK, restore_point, retained_rows, reuse_limit
 from .timings import PoolTimings, PrefixCacheTimings, PrefixTierTimings, TimingsPart
 
 __all__ = [
@@ -50,13 +51,12 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt tokens that can stay in the KV: the common prefix, leaving one token to evaluate.
+    """Prompt tokens that can stay in the KV: the common prefix cut to a restore point (``reuse.restore_point``).
 
-    Logits exist only for rows evaluated in the current call, so a fully
-    cached prompt still replays its last token; that token is not counted
-    as cached input.
+    A fully cached prompt still evaluates its last few tokens; they are not
+    counted as cached input.
     """
-    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+    return restore_point(common_prefix_length(cached, prompt), len(prompt))
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,8 @@ def lru_victim(last_used: Sequence[int]) -> int:
 
 
 def retain_length(prompt_len: int, cap: int) -> int:
-    """Prompt tokens kept after a successful request: at most ``cap``."""
-    return max(0, min(prompt_len, cap))
+    """Prompt tokens kept after a successful request: at most ``cap``, none of a prompt too short to reuse (``reuse.retained_rows``)."""
+    return retained_rows(max(0, min(prompt_len, cap)), prompt_len)
 
 
 class _Entry:
@@ -252,7 +252,8 @@ class PrefixPool:
         store = self.store
         if store is None:
             return
-        todo = sorted({n for n in lengths if 0 < n <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
+        # a pinned length ends on a row block, as every kept prefix does (reuse.retained_rows)
+        todo = sorted({m for m in (n - n % ROW_BLOCK for n in lengths) if 0 < m <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
         todo = [n for n in todo if not (
             (store.ram is not None and tuple(prompt[:n]) in store.ram) or (store.ram is None and not store.wants_disk(prompt[:n]))
         )]
@@ -277,10 +278,10 @@ class PrefixPool:
         ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`).
         """
         keep = retain_length(len(prompt), self.max_tokens)
-        if self.store is not None and self.store.exact_only and keep == len(prompt):
-            # A sliding-window entry restores only whole (see PrefixStore): keep one token fewer, so the
-            # same prompt again restores all it keeps and evaluates its last token.
-            keep -= 1
+        if self.store is not None and self.store.exact_only:
+            # A sliding-window entry restores only whole (see PrefixStore): keep no more than the same
+            # prompt again may reuse, so it restores all it keeps (reuse.reuse_limit).
+            keep = min(keep, reuse_limit(len(prompt)))
         retained = False
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first

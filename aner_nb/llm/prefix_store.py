@@ -35,6 +35,7 @@ from .disk_writer import DiskWriter
 from .errors import ConfigurationError, LLMError, StateMismatchError
 from .kv_identity import KVIdentity
 from .prefix_tiers import TIER_CODES, DiskTier, RamTier, TierConfig, TierStats, common_length
+from .reuse import restore_point, reuse_limit
 
 __all__ = ["Restored", "PrefixStore", "check_tiers_allowed"]
 
@@ -179,7 +180,7 @@ class PrefixStore:
         """
         prompt = tuple(prompt)
         floor = max(better_than, self.trivial_prefix)
-        if len(prompt) - 1 <= floor:
+        if reuse_limit(len(prompt)) <= floor:
             return None
         t0 = time.perf_counter_ns()
         identity = self.identity(ctx)
@@ -187,8 +188,8 @@ class PrefixStore:
         disk = self.disk.best(prompt, min_common=floor + 1) if self.disk is not None else []
         queued = [(common_length(k, prompt), k) for k in (self.writer.pending_keys() if self.writer else ())]
         queued = [(n, k) for n, k in queued if n > floor]
-        if self.exact_only:  # whole prefixes only, ending before the prompt's last token (see __init__)
-            limit = len(prompt) - 1
+        if self.exact_only:  # whole prefixes only, leaving the prompt's last reuse.MIN_ROWS tokens (see __init__)
+            limit = reuse_limit(len(prompt))
             key = self.ram.longest(prompt[:limit], min_tokens=floor + 1) if self.ram is not None else None
             ram = (key, len(key)) if key is not None else None
             disk = [c for c in disk if c[0] == len(c[1]) <= limit]
@@ -198,6 +199,9 @@ class PrefixStore:
         candidates += [(n, 2, (stored, path)) for n, stored, path in disk]
         if ram is not None:
             candidates.append((ram[1], 0, ram[0]))
+        # What each would keep (the match cut to a restore point); a whole-prefix entry only if it keeps all.
+        kept = [(restore_point(n, len(prompt)), n, source, what) for n, source, what in candidates]
+        candidates = [(k, source, what) for k, n, source, what in kept if k > floor and (k == n or not self.exact_only)]
         candidates.sort(key=lambda c: (-c[0], c[1]))
         for _, source, what in candidates:
             if source == 0:
@@ -260,7 +264,7 @@ class PrefixStore:
             self.stats.skip("tokens", f"a {tier} entry's token ids are not the ones it is stored under")
             return None
         n = len(tokens)
-        keep = min(common_length(tokens, prompt), len(prompt) - 1)
+        keep = restore_point(common_length(tokens, prompt), len(prompt))
         if self.exact_only and keep != n:
             self.stats.skip("sliding_window", f"a {tier} entry of {n} tokens would have to be cut to {keep}")
             return None

@@ -27,6 +27,7 @@ from .chat import locate_contents, template_layout, validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
 from .options import REGISTRY, Registry, RequestSettings
 from .profiles import Profile
+from .reuse import reuse_attention
 from .runner import Job
 from .sampling import request_grammar
 from .chat_input import chat_input
@@ -285,11 +286,14 @@ def context_params(
     adapter: "SharedAdapter | None" = None,
     kv_unified: bool = True,
     n_ctx: int | None = None,
+    reuses_prefixes: bool = False,
 ) -> ContextParams:
     """The explicit context parameters of a lease's contexts, including the adapter they apply.
 
     ``n_ctx`` overrides the loaded context (a batching lease with shared
     prefixes needs more cells than its request sequences share).
+    ``reuses_prefixes``: the contexts serve a prefix cache, so the attention
+    kernel is the one that makes reuse exact (:func:`~aner_nb.llm.reuse.reuse_attention`).
 
     A profile naming an adapter needs that adapter here, so no caller can
     silently create adapter-less contexts for it.
@@ -310,7 +314,10 @@ def context_params(
         n_threads=threads,
         n_threads_batch=prefill,
         kv_cache_type=settings.kv_cache_type,
-        flash_attention=settings.flash_attention,
+        flash_attention=(
+            reuse_attention(settings.flash_attention, kv_cache_type=settings.kv_cache_type, on_cpu=weights.device == "cpu")
+            if reuses_prefixes else settings.flash_attention
+        ),
         swa_full=swa_full,
         kv_unified=kv_unified,
         offload=weights.device != "cpu",

@@ -29,6 +29,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import Response, Usage
+from .reuse import MIN_ROWS, ROW_BLOCK, micro_batch_rows
 from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
 from .json_closing import JsonCloser
 from .lookup import DraftPolicy, NgramIndex
@@ -297,23 +298,53 @@ class PrefillCancelled(Exception):
         self.evaluated = evaluated
 
 
+def prefill_chunks(start: int, end: int, n_batch: int, n_ubatch: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` position ranges of a prefill's llama_decode calls, shaped for exact reuse (:mod:`.reuse`).
+
+    llama.cpp splits each call into micro-batches of ``n_ubatch`` rows from
+    the call's start (``n_ubatch`` clamped to ``n_batch``). Here every
+    micro-batch but the last has :func:`~aner_nb.llm.reuse.micro_batch_rows`
+    rows, a multiple of ``ROW_BLOCK`` (one per call when that is not
+    ``n_ubatch`` itself), and a last one under ``MIN_ROWS`` rows takes whole
+    row blocks from the one before. Only a prefill too short to lend from
+    keeps a small micro-batch.
+    """
+    ub = max(1, min(n_ubatch, n_batch))
+    step = micro_batch_rows(ub)
+    bounds = [*range(start, end, step), end]  # micro-batch boundaries
+    short = end - bounds[-2] if len(bounds) > 1 else 0
+    if len(bounds) > 2 and 0 < short < MIN_ROWS:
+        lend = -(-(MIN_ROWS - short) // ROW_BLOCK) * ROW_BLOCK
+        if bounds[-2] - lend - bounds[-3] >= MIN_ROWS:
+            bounds[-2] -= lend
+    per_call = max(1, n_batch // ub) if step == ub else 1
+    chunks: list[tuple[int, int]] = []
+    i = 0
+    while i < len(bounds) - 1:
+        k = i + 1
+        # whole micro-batches share a call; a shorter one must be its call's last (llama.cpp splits from the start)
+        while k < min(i + per_call, len(bounds) - 1) and bounds[k] - bounds[k - 1] == ub:
+            k += 1
+        chunks.append((bounds[i], bounds[k]))
+        i = k
+    return chunks
+
+
 def prefill(
     ctx: NativeContext, batch: Batch, tokens: Sequence[int], start: int, seq: int,
     *, cancel: threading.Event | None = None,
 ) -> int:
     """Evaluate ``tokens[start:]`` at positions ``start..``; logits only for the last row.
 
-    Returns the number of llama_decode calls. Chunks are at most ``n_batch``
-    tokens; llama.cpp splits each into micro-batches of ``n_ubatch`` itself.
-    ``cancel`` is checked before every chunk, so a long prompt stops within
-    one chunk of a cancellation (:class:`PrefillCancelled`).
+    Returns the number of llama_decode calls, made over :func:`prefill_chunks`
+    (at most ``n_batch`` tokens each). ``cancel`` is checked before every
+    chunk, so a long prompt stops within one chunk of a cancellation
+    (:class:`PrefillCancelled`).
     """
     calls = 0
-    n_batch = batch.capacity
-    for lo in range(start, len(tokens), n_batch):
+    for lo, hi in prefill_chunks(start, len(tokens), batch.capacity, ctx.params.n_ubatch):
         if cancel is not None and cancel.is_set():
             raise PrefillCancelled(lo - start)
-        hi = min(lo + n_batch, len(tokens))
         batch.clear()
         batch.add_run(tokens[lo:hi], lo, seq, logits_last=hi == len(tokens))
         calls += 1

@@ -22,7 +22,8 @@ from .chat import validate_messages
 from .context_pool import ContextSlot
 from .errors import ConfigurationError, EngineError, InvalidRequestError, StateMismatchError, UnsupportedFeatureError
 from .lifetime import Lifetime
-from .prefix_pool import reusable_prefix
+from .prefix_pool import common_prefix_length
+from .reuse import conversation_keep
 from .options import RequestSettings
 from .profiles import Profile
 from .protocol import Done, Lease, LeaseKind, Pieces, RequestRules, with_text_callback
@@ -144,7 +145,7 @@ class Session(Lease):
     ) -> tuple[Pieces, Done]:
         """Keep the longest prefix of the KV that the new conversation shares, evaluate the rest."""
         ctx = self._slot.ctx
-        keep = reusable_prefix(self._kv_tokens, prepared.tokens)
+        keep = conversation_keep(common_prefix_length(self._kv_tokens, prepared.tokens), len(prepared.tokens))
         t0 = time.perf_counter_ns()
         # Nothing to remove: the KV is the one the last turn (or a resumed save) left, valid to continue.
         # A restored sliding-window state holds only its last window, so trim() would refuse it even then.

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 from .prefix_pool import common_prefix_length, reusable_prefix
+from .reuse import restore_point
 
 if TYPE_CHECKING:
     from .prefix_store import PrefixStore
@@ -96,8 +97,9 @@ def waits_for(
     best entry held now. Without the wait both requests would evaluate the
     shared part side by side, each at half the step budget.
     """
-    limit = min(cap, len(prompt) - 1)
-    return any(min(common_prefix_length(p, prompt), limit) - best_match >= min_gain for p in evaluating)
+    return any(
+        restore_point(min(common_prefix_length(p, prompt), cap), len(prompt)) - best_match >= min_gain for p in evaluating
+    )
 
 
 class SharedPrefixes:
