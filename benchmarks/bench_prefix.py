@@ -1,7 +1,8 @@
 """Prefix cache on the demo model: time to first token, uncached vs cached, same outputs.
 
 A ~1500-token evidence prefix is shared by 5 questions. The uncached side is
-an ordinary lease (every request evaluates the whole prompt); the cached side
+a prefix-cache lease that keeps nothing (``prefix_cache_tokens=1``, the same
+context layout: every request evaluates the whole prompt); the cached side
 is ``with_optimizer(prefix_cache_entries=1)``, whose pool keeps the evidence
 between questions. Sides alternate in ABBA order; one warm-up round is
 dropped (it also fills the cache). Target: >= 30x faster first token cached.
@@ -16,9 +17,9 @@ Run: ``python benchmarks/bench_prefix.py [--model smollm2|gemma|PATH] [--rounds 
 ``--restart`` (the disk tier, ``prefix_cache_dir``): a first process asks
 questions over a ~1,600-token prefix with a disk tier and exits; a fresh
 process (a new kernel) then measures the first token of the same questions
-(re-running the cells), cold (a lease without prefix cache) against restored from the
+(re-running the cells), cold (a lease that keeps nothing) against restored from the
 disk tier (a new, empty lease per request, so nothing is live or in RAM), ABBA
-after a warm-up round. The cold side is one plain lease without prefix cache.
+after a warm-up round. The cold side is a lease of the same layout that keeps nothing (``_open_model``).
 Target: >= 40x faster first token restored.
 
 ``--rotation`` (the RAM tier, ``prefix_cache_ram_bytes``): 8 different
@@ -30,6 +31,12 @@ the RAM tier. Target: >= 20x faster first token.
 RAM + disk tiers on (each retained prompt written through to disk, each evicted
 one kept in RAM). Measured from the caller: wall time of the whole call, the
 tiers' saves included. Target: requests per second with tiers >= 0.98x without.
+
+``--miss-cost`` (what a prefix cache costs a request it cannot serve): the same
+new prompts on a plain latency lease of the model loaded with the default
+``flash_attention="auto"`` against a prefix-cache lease of it, which runs
+attention without flash attention on a CPU (``reuse.reuse_attention``): wall
+time, prompt evaluation and decode speed. No target; outputs may differ (another kernel).
 
 ``--restart --llama-server PATH`` also measures llama.cpp's own server on the
 same prompts: the fill process has a server (``-np 1 --slot-save-path``,
@@ -82,12 +89,15 @@ def main() -> None:
     parser.add_argument("--restart", action="store_true", help="disk tier: fill in one process, measure in a fresh one")
     parser.add_argument("--rotation", action="store_true", help="RAM tier: 8 prefixes in rotation, 2 live entries")
     parser.add_argument("--no-hits", action="store_true", help="tiers on vs off when every prompt is new")
+    parser.add_argument("--miss-cost", action="store_true",
+                        help="every prompt new: a plain lease (flash attention auto) vs a prefix-cache lease (off)")
     parser.add_argument("--llama-server", default=None, help="--restart: also measure this llama-server's slot restore")
     parser.add_argument("--threads", type=int, default=0, help="n_threads = n_threads_batch for every side")
     parser.add_argument("--cache-dir", default=None, help="--restart: the disk tier's directory (default: a new temp dir)")
     parser.add_argument("--phase", choices=("fill", "measure"), default=None, help=argparse.SUPPRESS)
     add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
+    args.no_hits = args.no_hits or args.miss_cost
     if args.restart or args.rotation or args.no_hits or args.phase:
         args.prefix_tokens = args.prefix_tokens or 1600
         return tiers_main(args)
@@ -97,10 +107,11 @@ def main() -> None:
     model = choice.load(context=4096, flash_attention=ATTENTION)
     print(header(choice, model), flush=True)
     cached = model.with_optimizer(prefix_cache_entries=1)
+    uncached = model.with_optimizer(prefix_cache_entries=1, prefix_cache_tokens=1)  # same layout, keeps nothing
     text = evidence_of_tokens(model, args.prefix_tokens)
     cases = [bench.Case(f"q{i + 1}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS)]
     result = bench.run_sides(
-        [bench.lease_side("uncached", model), bench.lease_side("cached", cached)], cases,
+        [bench.lease_side("uncached", uncached), bench.lease_side("cached", cached)], cases,
         rounds=args.rounds, warmup=1, baseline="uncached",
         manifest_=bench.manifest(cached, benchmark="prefix", **manifest_fields(choice, model)),
     )
@@ -123,6 +134,7 @@ def main() -> None:
             json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"),
                        "first_token_speedup": speedup, "identical": int(same.sum())}, out, indent=2, default=str)
     cached.close()
+    uncached.close()
     model.close()
 
 
@@ -194,14 +206,24 @@ def _restart_cases(text: str, args: argparse.Namespace) -> list:
     return [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
 
 
-def _open_model(args: argparse.Namespace) -> tuple:
-    """The model choice, threads, the loaded model (4,096 cells) and its plain latency lease, header printed."""
+def _open_model(args: argparse.Namespace, attention: str = ATTENTION) -> tuple:
+    """The model choice, threads, the loaded model (4,096 cells) and its uncached lease, header printed.
+
+    The uncached lease has the cached side's context layout (a prefix-cache
+    lease: a full sliding-window cache, the same attention kernel) but keeps
+    nothing (``prefix_cache_tokens=1``: a kept prompt is cut to a row block,
+    so none is held), so every request evaluates its whole prompt. A plain
+    latency lease would not do: it keeps a window-sized sliding-window cache,
+    and Gemma's attention then sums over other cells (another rounding). Its
+    cost: each request creates its context (tens of ms against seconds of
+    prefill; the tables report prompt evaluation apart).
+    """
     choice = resolve(args.model)
     threads = _threads(args)
-    model = choice.load(context=4096, flash_attention=ATTENTION)
+    model = choice.load(context=4096, flash_attention=attention)
     print(header(choice, model), flush=True)
     _print_machine(threads)
-    return choice, threads, model, model.with_optimizer(threads=threads, prefill_threads=threads)
+    return choice, threads, model, _tiered(model, threads, prefix_cache_tokens=1)
 
 
 def _measure_restart(args: argparse.Namespace) -> None:
@@ -221,8 +243,7 @@ def _measure_restart(args: argparse.Namespace) -> None:
         row["bytes_read"] = r.timings.prefix_tier_bytes_read
         return row
 
-    # Cold: one plain latency lease (no prefix cache: every request evaluates the whole prompt on the
-    # lease's idle context). Restored: its lease (and, with a disk tier, its first context) is made before
+    # Cold: the uncached lease of _open_model (every request evaluates the whole prompt). Restored: its lease (and, with a disk tier, its first context) is made before
     # the call, as a notebook derives it in an earlier cell; neither side's first token includes that.
     sides = [bench.lease_side("cold", cold), bench.Side("restored", restored)]
     server = None
@@ -293,11 +314,18 @@ def _report_server(result) -> None:
 
 
 def _no_hits(args: argparse.Namespace) -> None:
-    choice, threads, model, _plain = _open_model(args)
-    _plain.close()
+    # --miss-cost: the library's default attention (auto) for the model, so the plain lease keeps it and the
+    # prefix-cache lease turns it off (reuse.reuse_attention); --no-hits: both sides' attention off.
+    choice, threads, model, uncached = _open_model(args, "auto" if args.miss_cost else ATTENTION)
+    uncached.close()
     directory = args.cache_dir or tempfile.mkdtemp(prefix="aner-prefix-nohits-")
-    off = _tiered(model, threads)
-    on = _tiered(model, threads, prefix_cache_ram_bytes=8 << 30, prefix_cache_dir=directory)
+    if args.miss_cost:  # what a notebook user compares: a plain latency lease against a prefix-cache one
+        names = ("plain", "prefix_cache")
+        off, on = model.with_optimizer(threads=threads, prefill_threads=threads), _tiered(model, threads)
+    else:
+        names = ("tiers_off", "tiers_on")
+        off = _tiered(model, threads)
+        on = _tiered(model, threads, prefix_cache_ram_bytes=8 << 30, prefix_cache_dir=directory)
     calls: dict[tuple[str, str], int] = {}
     seeds = iter(range(10_000, 1_000_000))
     texts: dict[tuple[str, int], str] = {}
@@ -320,18 +348,26 @@ def _no_hits(args: argparse.Namespace) -> None:
 
     cases = [bench.Case(f"q{i + 1}", q, args.max_tokens) for i, q in enumerate(QUESTIONS)]
     result = bench.run_sides(
-        [side("tiers_off", off), side("tiers_on", on)], cases, rounds=args.rounds, warmup=1, baseline="tiers_off",
-        manifest_=bench.manifest(on, benchmark="prefix_no_hits", **manifest_fields(choice, model)),
+        [side(names[0], off), side(names[1], on)], cases, rounds=args.rounds, warmup=1, baseline=names[0],
+        manifest_=bench.manifest(on, benchmark="prefix_miss_cost" if args.miss_cost else "prefix_no_hits",
+                                 **manifest_fields(choice, model)),
     )
-    summary = result.summary(("wall_ms", "requests_per_s", "first_token_ms", "cached_input_tokens"))
+    summary = result.summary(("wall_ms", "requests_per_s", "first_token_ms", "prompt_eval_ms", "decode_tokens_per_s",
+                              "cached_input_tokens"))
     print(summary.to_string(index=False))
-    paired = 1 / result.paired("tiers_on", "wall_ms")  # requests per second: the inverse of wall time
-    ratio = 1 / result.ratio("tiers_on", "wall_ms")
-    print(f"\nrequests per second, tiers on / off: ratio of medians {ratio:.3f}, paired median {paired.median():.3f} "
-          f"({paired.min():.3f}-{paired.max():.3f}) (target >= 0.98)")
-    same = result.same_outputs("tiers_on")
+    paired = 1 / result.paired(names[1], "wall_ms")  # requests per second: the inverse of wall time
+    ratio = 1 / result.ratio(names[1], "wall_ms")
+    target = "" if args.miss_cost else " (target >= 0.98)"
+    print(f"\nrequests per second, {names[1]} / {names[0]}: ratio of medians {ratio:.3f}, paired median "
+          f"{paired.median():.3f} ({paired.min():.3f}-{paired.max():.3f}){target}")
+    if args.miss_cost:
+        prefill = result.ratio(names[1], "prompt_eval_ms")
+        decode = result.ratio(names[1], "decode_tokens_per_s")
+        print(f"prompt eval time {names[1]} / {names[0]}: {prefill:.3f}; decode tokens/s {names[1]} / {names[0]}: "
+              f"{decode:.3f} (attention: {off._params.flash_attention} vs {on._params.flash_attention})")
+    same = result.same_outputs(names[1])
     print(f"identical outputs: {int(same.sum())}/{len(same)}")
-    stats = on.prefix_tier_stats()
+    stats = on.prefix_tier_stats() if not args.miss_cost else {"hits": {}, "misses": 0, "skips": {}, "held_entries": {}}
     print(f"tiers: hits {stats['hits']}, misses {stats['misses']}, skips {stats['skips']}, "
           f"held {stats['held_entries']}", flush=True)
     if args.json:
