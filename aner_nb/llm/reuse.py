@@ -85,8 +85,9 @@ def reuse_attention(requested: str, *, kv_cache_type: str, on_cpu: bool) -> str:
     micro-batch of another size than in the uncached run of this prompt, and
     reuse was exact only when the restore point fell on the uncached run's
     micro-batch start. Without flash attention the rules above make reuse
-    bitwise exact, at about the same prefill speed and a few percent slower
-    decoding on the demo models (RESULTS.md, "exact prefix reuse"). An explicit ``on`` is kept
+    bitwise exact; a request the cache cannot serve pays for it (measured on
+    the demo models: 12-20% more prompt time than a plain lease, RESULTS.md,
+    ``bench_prefix.py --miss-cost``). An explicit ``on`` is kept
     (reuse is then exact only up to near ties, see ``diagnostics``); a
     quantized KV cache needs flash attention, and GPU kernels are another
     matter, so both keep what was asked.
