@@ -56,6 +56,7 @@ from _workloads import evidence  # noqa: E402
 from aner_nb import bench, llm  # noqa: E402
 from aner_nb.bench.evidence import load_average  # noqa: E402
 from aner_nb.llm.prefix_pool import common_prefix_length  # noqa: E402
+from aner_nb.llm.reuse import restore_point, retained_rows  # noqa: E402
 
 SWEEP_QUESTION = "List every treasurer named in the ledger, with the year of each entry."
 FACTS = (("Q", "48172", 0.1), ("M", "29536", 0.5), ("T", "73614", 0.9))  # vault, code, depth
@@ -108,20 +109,21 @@ def expected_reuse(
     are retained, else the oldest is recycled). An entry is one context, so
     the request that reuses it takes it; afterwards the request's prompt (its
     first ``cap_tokens``) is retained and the oldest entries beyond
-    ``capacity`` go. Reuse excludes the last prompt token, which is always
-    evaluated again for its logits.
+    ``capacity`` go. Reuse stops at the restore point and a retained prompt
+    is cut to a row block (``aner_nb.llm.reuse``: the last tokens are always
+    evaluated again, with the kernels the uncached run uses).
     """
     lengths = [common_prefix_length(prompt, r) for r in retained]
     best = max(range(len(retained)), key=lambda i: (lengths[i], i), default=None)
     left = list(retained)
     if best is not None and lengths[best] > opening:
-        reuse = min(lengths[best], len(prompt) - 1)
+        reuse = restore_point(lengths[best], len(prompt))
         del left[best]
     else:
         reuse = 0
         if len(left) >= capacity:
             del left[0]
-    left.append(list(prompt[:cap_tokens]))
+    left.append(list(prompt[: retained_rows(min(len(prompt), cap_tokens), len(prompt))]))
     return reuse, left[-capacity:]
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from aner_nb import llm
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -58,10 +60,10 @@ def test_headers_reuse_matches_the_token_lists(quick_run):
     assert by_turn[1]["reused"] == by_turn[2]["reused"] == 0
     # A primed header reuses its family's prefix up to the changed fact, not the whole prompt.
     for turn in (3, 4, 5, 6):
-        assert 0 < by_turn[turn]["reused"] < by_turn[turn]["prompt_tokens"] - 1
-    # A header repeated unchanged reuses everything but the replayed last token.
+        assert 0 < by_turn[turn]["reused"] < llm.reuse.reuse_limit(by_turn[turn]["prompt_tokens"])
+    # A header repeated unchanged reuses everything but its last tokens (llm.reuse.reuse_limit).
     for turn in (7, 8):
-        assert by_turn[turn]["reused"] == by_turn[turn]["prompt_tokens"] - 1
+        assert by_turn[turn]["reused"] == llm.reuse.reuse_limit(by_turn[turn]["prompt_tokens"])
     assert "reuse assertion: every turn reused exactly the expected tokens" in quick_run["stdout"]
 
 
@@ -75,22 +77,24 @@ def test_retrieval_scores_three_planted_facts(quick_run):
 
 
 def test_reference_model_takes_the_entry_it_reuses():
-    a, b = [1, 2, 3, 10, 11, 12], [1, 2, 3, 20, 21]
+    head = [1, 2, 3]  # the template's opening
+    a, b = head + list(range(10, 30)), head + list(range(40, 60))  # 23 tokens each: 20 are kept (a row block)
     reuse, kept = blc.expected_reuse(a, [], opening=3, capacity=2, cap_tokens=100)
-    assert (reuse, kept) == (0, [a])
+    assert (reuse, kept) == (0, [a[:20]])
     # Only the opening matches: a new context, the first entry stays.
     reuse, kept = blc.expected_reuse(b, kept, opening=3, capacity=2, cap_tokens=100)
-    assert (reuse, kept) == (0, [a, b])
-    # A longer match reuses (and takes) that entry; the same prompt again replays its last token.
-    a2 = [1, 2, 3, 10, 11, 99]
+    assert (reuse, kept) == (0, [a[:20], b[:20]])
+    # A longer match (15 tokens) reuses (and takes) that entry, to a restore point on a row block (12).
+    a2 = head + list(range(10, 22)) + list(range(70, 80))  # 25 tokens
     reuse, kept = blc.expected_reuse(a2, kept, opening=3, capacity=2, cap_tokens=100)
-    assert (reuse, kept) == (5, [b, a2])
+    assert (reuse, kept) == (12, [b[:20], a2[:24]])
+    # The same prompt again: everything but its last 8 or more tokens (16 of 25).
     reuse, kept = blc.expected_reuse(a2, kept, opening=3, capacity=2, cap_tokens=4)
-    assert (reuse, kept) == (5, [b, a2[:4]])
+    assert (reuse, kept) == (16, [b[:20], a2[:4]])
     # A full pool and an opening-only match: the oldest entry is recycled.
-    c = [1, 2, 3, 30]
+    c = head + list(range(90, 110))
     reuse, kept = blc.expected_reuse(c, kept, opening=3, capacity=2, cap_tokens=100)
-    assert (reuse, kept) == (0, [a2[:4], c])
+    assert (reuse, kept) == (0, [a2[:4], c[:20]])
 
 
 def test_longest_fitting_finds_the_boundary():
