@@ -367,9 +367,10 @@ def _no_hits(args: argparse.Namespace) -> None:
               f"{decode:.3f} (attention: {off._params.flash_attention} vs {on._params.flash_attention})")
     same = result.same_outputs(names[1])
     print(f"identical outputs: {int(same.sum())}/{len(same)}")
-    stats = on.prefix_tier_stats() if not args.miss_cost else {"hits": {}, "misses": 0, "skips": {}, "held_entries": {}}
-    print(f"tiers: hits {stats['hits']}, misses {stats['misses']}, skips {stats['skips']}, "
-          f"held {stats['held_entries']}", flush=True)
+    if not args.miss_cost:  # the miss-cost side has no tiers
+        stats = on.prefix_tier_stats()
+        print(f"tiers: hits {stats['hits']}, misses {stats['misses']}, skips {stats['skips']}, "
+              f"held {stats['held_entries']}", flush=True)
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"manifest": result.manifest, "summary": summary.to_dict("records"), "ratio": ratio,

@@ -9,6 +9,7 @@ from aner_nb import llm
 
 from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, micro_batch_rows, restore_point, retained_rows, reuse_attention, reuse_limit
 from aner_nb.llm.runner import prefill_chunks
+from test_optimizer import logprob_rows
 
 
 def micro_batches(chunks: list[tuple[int, int]], n_ubatch: int) -> list[int]:
@@ -109,5 +110,4 @@ def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_u
                 warm_lease.generate(earlier, max_tokens=2)
                 warm = warm_lease.generate(prompt, max_tokens=6, logprobs=True, top_logprobs=3)
             assert warm.usage.cached_input_tokens > 0, earlier
-            rows = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top]) for e in warm.logprobs]
-            assert rows == [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top]) for e in cold.logprobs], earlier
+            assert logprob_rows(warm) == logprob_rows(cold), earlier

@@ -27,7 +27,7 @@ from .context_pool import Acquired, ContextSlot, free_all, new_slot
 from .errors import LLMError
 from .prefix_store import PrefixStore
 from .prefix_tiers import TIER_CODES
-from .reuse import ROW_BLOCK, restore_point, retained_rows, reuse_limit
+from .reuse import restore_point, retained_rows, reuse_limit
 from .timings import PoolTimings, PrefixCacheTimings, PrefixTierTimings, TimingsPart
 
 __all__ = [
@@ -252,8 +252,9 @@ class PrefixPool:
         store = self.store
         if store is None:
             return
-        # a pinned length ends on a row block, as every kept prefix does (reuse.retained_rows)
-        todo = sorted({m for m in (n - n % ROW_BLOCK for n in lengths) if 0 < m <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
+        # a pinned length is cut as every kept prefix is (reuse.retained_rows)
+        cut = {retained_rows(n, len(prompt)) for n in lengths}
+        todo = sorted({n for n in cut if 0 < n <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
         todo = [n for n in todo if not (
             (store.ram is not None and tuple(prompt[:n]) in store.ram) or (store.ram is None and not store.wants_disk(prompt[:n]))
         )]
