@@ -88,9 +88,9 @@ def test_reference_model_takes_the_entry_it_reuses():
     a2 = head + list(range(10, 22)) + list(range(70, 80))  # 25 tokens
     reuse, kept = blc.expected_reuse(a2, kept, opening=3, capacity=2, cap_tokens=100)
     assert (reuse, kept) == (12, [b[:20], a2[:24]])
-    # The same prompt again: everything but its last 8 or more tokens (16 of 25).
+    # The same prompt again: everything but its tail, its last token or a few more (24 of 25).
     reuse, kept = blc.expected_reuse(a2, kept, opening=3, capacity=2, cap_tokens=4)
-    assert (reuse, kept) == (16, [b[:20], a2[:4]])
+    assert (reuse, kept) == (24, [b[:20], a2[:4]])
     # A full pool and an opening-only match: the oldest entry is recycled.
     c = head + list(range(90, 110))
     reuse, kept = blc.expected_reuse(c, kept, opening=3, capacity=2, cap_tokens=100)

@@ -113,11 +113,11 @@ def test_repeated_prompt_is_served_from_cache_with_identical_output(base):
         assert cold.tokens == warm.tokens == expected.tokens
         assert cold.timings.prefix_cache_hit == 0 and cold.usage.cached_input_tokens == 0
         assert warm.timings.prefix_cache_hit == 1 and warm.timings.context_pool_reused == 1
-        # the last MIN_ROWS prompt tokens or a few more (the kept part ends on a row block) are evaluated
-        # again, for the last row's logits and with the uncached run's kernels (see reuse), and are not
-        # counted as cached
+        # the prompt's tail (its last token or a few more: the kept part ends on a row block) is evaluated
+        # again, for the last row's logits, in the micro-batch the uncached run gave it (see reuse), and is
+        # not counted as cached
         assert warm.usage.cached_input_tokens == llm.reuse.reuse_limit(warm.usage.prompt_tokens)
-        assert 8 <= warm.timings.evaluated_prompt_tokens < 8 + llm.reuse.ROW_BLOCK
+        assert 1 <= warm.timings.evaluated_prompt_tokens < 1 + llm.reuse.ROW_BLOCK
         # what the pool held when each request arrived
         assert cold.timings.prefix_cache_entries == 0 and cold.timings.prefix_cache_retained_tokens == 0
         assert warm.timings.prefix_cache_entries == 1
@@ -176,7 +176,10 @@ def test_reuse_is_bitwise_exact_wherever_the_cached_part_ends(request, model, ea
     with base.with_optimizer(prefix_cache_entries=1) as fast:
         fast.generate(EVIDENCE + earlier, max_tokens=4)
         warm = fast.generate(prompt, max_tokens=12, logprobs=True, top_logprobs=5)
-    assert warm.usage.cached_input_tokens > 0 and warm.timings.evaluated_prompt_tokens >= llm.reuse.MIN_ROWS
+    assert warm.usage.cached_input_tokens == llm.reuse.restore_point(
+        llm.prefix_pool.common_prefix_length(base.prompt_tokens(EVIDENCE + earlier), base.prompt_tokens(prompt)),
+        warm.usage.prompt_tokens,
+    ) > 0
     assert warm.tokens == cold.tokens
     assert logprob_rows(warm) == logprob_rows(cold)
 

@@ -3,20 +3,23 @@
 from hypothesis import given, strategies as st
 
 from aner_nb.llm.prefix_pool import choose, common_prefix_length, lru_victim, retain_length, reusable_prefix
-from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, restore_point
+from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, TAIL_ROWS, restore_point
 
 
 def test_common_prefix_and_replay_of_last_token():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_length([1, 2], [1, 2, 3]) == 2
-    # a fully cached prompt still evaluates its last MIN_ROWS tokens or a few more (logits are call
-    # local, and a micro-batch of fewer rows takes other kernels); the kept part ends on a row block (reuse)
-    assert (MIN_ROWS, ROW_BLOCK) == (8, 4)
-    assert reusable_prefix(list(range(30)) + [99], list(range(30))) == 20
-    assert reusable_prefix(list(range(32)) + [99], list(range(32))) == 24
+    # a fully cached prompt still evaluates its tail: its last token or a few more, so that the kept part
+    # ends on a row block; a partly cached one evaluates at least MIN_ROWS tokens before the tail (reuse)
+    assert (MIN_ROWS, ROW_BLOCK, TAIL_ROWS) == (8, 4, 1)
+    assert reusable_prefix(list(range(30)) + [99], list(range(30))) == 28
+    assert reusable_prefix(list(range(32)) + [99], list(range(32))) == 28
+    assert reusable_prefix(list(range(33)), list(range(33))) == 32
     assert reusable_prefix(list(range(13)), list(range(40))) == 12
-    assert reusable_prefix(list(range(12)), list(range(12))) == 4
-    assert reusable_prefix(list(range(11)), list(range(11))) == 0
+    assert reusable_prefix(list(range(30)), list(range(35))) == 24  # 28 would leave 4 rows before the tail
+    assert reusable_prefix(list(range(12)), list(range(12))) == 8
+    assert reusable_prefix(list(range(9)), list(range(9))) == 8
+    assert reusable_prefix(list(range(8)), list(range(8))) == 0  # a body of 4 rows: one small micro-batch
     assert reusable_prefix([1, 2, 3], [1, 2, 3]) == 0
 
 
@@ -47,12 +50,11 @@ def test_full_pool_recycles_the_least_recently_used_entry():
 
 
 def test_retention_cap():
-    assert retain_length(100, 2048) == 100
     assert retain_length(3000, 2048) == 2048
-    # only rows any later prompt computes alike are kept: not the last len % ROW_BLOCK (gemv rows), and
-    # nothing of a prompt shorter than MIN_ROWS (one small micro-batch, other kernels)
-    assert retain_length(103, 2048) == 100 and retain_length(3000, 2050) == 2048
-    assert retain_length(MIN_ROWS - 1, 2048) == 0 and retain_length(MIN_ROWS, 2048) == MIN_ROWS
+    # only body rows are kept (reuse.retained_rows): not the tail, which ran in its own small micro-batch,
+    # and nothing of a prompt whose body is shorter than MIN_ROWS (one small micro-batch, other kernels)
+    assert retain_length(103, 2048) == 100 and retain_length(100, 2048) == 96 and retain_length(3000, 2050) == 2048
+    assert retain_length(MIN_ROWS, 2048) == 0 and retain_length(MIN_ROWS + 1, 2048) == MIN_ROWS
     assert lru_victim([4, 2, 9]) == 1
 
 
@@ -67,6 +69,6 @@ def test_choice_never_keeps_more_than_the_prompt_allows(entries, prompt, trivial
     if choice.entry is not None:
         best = max(common_prefix_length(e, prompt) for e in entries)
         assert choice.keep == restore_point(best, len(prompt)) and best > trivial
-        assert choice.keep % ROW_BLOCK == 0 and 0 <= choice.keep <= max(0, len(prompt) - MIN_ROWS)
+        assert choice.keep % ROW_BLOCK == 0 and 0 <= choice.keep <= max(0, len(prompt) - TAIL_ROWS)
     else:
         assert choice.keep == 0

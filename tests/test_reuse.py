@@ -7,9 +7,14 @@ from hypothesis import given, strategies as st
 
 from aner_nb import llm
 
-from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, micro_batch_rows, restore_point, retained_rows, reuse_attention, reuse_limit
+from aner_nb.llm.reuse import MIN_ROWS, ROW_BLOCK, TAIL_ROWS, micro_batch_rows, restore_point, retained_rows, reuse_attention, reuse_limit
 from aner_nb.llm.runner import prefill_chunks
 from test_optimizer import logprob_rows
+
+
+def chunks(start: int, end: int, n_batch: int, n_ubatch: int) -> list[tuple[int, int]]:
+    """A prefix-cache context's prefill calls (its prompt's tail apart)."""
+    return prefill_chunks(start, end, n_batch, n_ubatch, tail_apart=True)
 
 
 def micro_batches(chunks: list[tuple[int, int]], n_ubatch: int) -> list[int]:
@@ -18,17 +23,23 @@ def micro_batches(chunks: list[tuple[int, int]], n_ubatch: int) -> list[int]:
 
 
 def test_examples():
-    assert prefill_chunks(0, 1721, 512, 128) == [(0, 512), (512, 1024), (1024, 1536), (1536, 1721)]
-    # 1,664 + 57 rows: one call of 57, no lending needed
-    assert prefill_chunks(1664, 1721, 512, 128) == [(1664, 1721)]
-    # 128 + 4 (or + 5) would leave a micro-batch under 8 rows: the last takes a row block from the one before
-    assert prefill_chunks(0, 132, 512, 128) == [(0, 124), (124, 132)]
-    assert prefill_chunks(0, 133, 512, 128) == [(0, 124), (124, 133)]
-    assert prefill_chunks(0, 1030, 512, 512) == [(0, 512), (512, 1020), (1020, 1030)]
+    # the tail (1,720 = reuse_limit(1721)) is a call of its own
+    assert chunks(0, 1721, 512, 128) == [(0, 512), (512, 1024), (1024, 1536), (1536, 1720), (1720, 1721)]
+    assert chunks(0, 1724, 512, 128) == [(0, 512), (512, 1024), (1024, 1536), (1536, 1720), (1720, 1724)]
+    # 1,664 + 57 rows: one body call of 56, then the tail
+    assert chunks(1664, 1721, 512, 128) == [(1664, 1720), (1720, 1721)]
+    assert chunks(1720, 1721, 512, 128) == [(1720, 1721)]  # a repeated prompt: its tail only
+    # a body of 128 + 4 would leave a micro-batch under 8 rows: its last takes a row block from the one before
+    assert chunks(0, 133, 512, 128) == [(0, 124), (124, 132), (132, 133)]
+    assert chunks(0, 1030, 512, 512) == [(0, 512), (512, 1020), (1020, 1028), (1028, 1030)]
     # n_ubatch 79 is not a multiple of the row block: micro-batches of 76, one per call
-    assert prefill_chunks(60, 240, 79, 79) == [(60, 136), (136, 212), (212, 240)]
-    assert prefill_chunks(0, 5, 512, 128) == [(0, 5)]  # too short to lend from
-    assert prefill_chunks(3, 3, 512, 128) == []
+    assert chunks(60, 240, 79, 79) == [(60, 136), (136, 212), (212, 236), (236, 240)]
+    assert chunks(0, 5, 512, 128) == [(0, 5)]  # too short for a body: one small micro-batch
+    assert chunks(3, 3, 512, 128) == []
+    assert chunks(1722, 1723, 512, 128) == [(1722, 1723)]  # a session's start past the tail's (conversation_keep)
+    # a lease without a prefix cache keeps its tail in the last micro-batch
+    assert prefill_chunks(0, 1721, 512, 128) == [(0, 512), (512, 1024), (1024, 1536), (1536, 1721)]
+    assert prefill_chunks(0, 133, 512, 128) == [(0, 124), (124, 133)]
 
 
 @given(
@@ -37,27 +48,41 @@ def test_examples():
 )
 def test_chunks_cover_the_prompt_in_calls_llama_cpp_accepts(start, length, n_batch, n_ubatch):
     end = start + length
-    chunks = prefill_chunks(start, end, n_batch, n_ubatch)
-    assert [lo for lo, _ in chunks] == ([start, *(hi for _, hi in chunks[:-1])] if length else [])
-    assert (chunks[-1][1] if chunks else start) == end
-    assert all(0 < hi - lo <= n_batch for lo, hi in chunks)
+    calls = chunks(start, end, n_batch, n_ubatch)
+    assert [lo for lo, _ in calls] == ([start, *(hi for _, hi in calls[:-1])] if length else [])
+    assert (calls[-1][1] if calls else start) == end
+    assert all(0 < hi - lo <= n_batch for lo, hi in calls)
     ub = min(n_ubatch, n_batch)
-    sizes = micro_batches(chunks, ub)
-    assert sum(sizes) == length
-    # every micro-batch but the last is a whole row block, all but the last two have micro_batch_rows, and
-    # none is under MIN_ROWS unless the prompt is too short to lend from
+    tail = reuse_limit(end)
+    if 0 < tail and start <= tail < end:  # the tail is the last call, of TAIL_ROWS to TAIL_ROWS + ROW_BLOCK - 1 rows
+        assert calls[-1][0] == tail and TAIL_ROWS <= end - tail < TAIL_ROWS + ROW_BLOCK
+        body = calls[:-1]
+    else:
+        body = calls
+    sizes = micro_batches(body, ub)
+    # every body micro-batch but the last is a whole row block, all but the last two have micro_batch_rows,
+    # and none is under MIN_ROWS unless the body is too short to lend from
     assert all(s % ROW_BLOCK == 0 for s in sizes[:-1])
     assert all(s == micro_batch_rows(ub) for s in sizes[:-2])
-    if length >= MIN_ROWS and (len(sizes) > 1 or ub >= 2 * MIN_ROWS):
-        assert min(sizes) >= MIN_ROWS
+    if start % ROW_BLOCK == 0 and start <= tail and tail - start >= MIN_ROWS and (len(sizes) > 1 or ub >= 2 * MIN_ROWS):
+        assert min(sizes) >= MIN_ROWS and all(s % ROW_BLOCK == 0 for s in sizes)
 
 
 @given(common=st.integers(0, 5000), n=st.integers(0, 5000))
-def test_a_request_always_evaluates_min_rows_or_its_whole_prompt(common, n):
+def test_a_request_evaluates_the_tail_or_at_least_min_rows_of_body_too(common, n):
     keep = restore_point(common, n)
-    assert 0 <= keep <= min(common, n) and n - keep >= min(n, MIN_ROWS) and keep % ROW_BLOCK == 0
-    assert keep == min(common, reuse_limit(n)) - min(common, reuse_limit(n)) % ROW_BLOCK
-    assert retained_rows(n, n) == (n - n % ROW_BLOCK if n >= MIN_ROWS else 0)
+    limit = reuse_limit(n)
+    assert 0 <= keep <= min(common, n) and keep % ROW_BLOCK == 0
+    assert keep == limit or limit - keep >= MIN_ROWS or keep == 0
+    assert limit == 0 or TAIL_ROWS <= n - limit < TAIL_ROWS + ROW_BLOCK
+    # the most it may keep: the whole body when all of it is cached, else up to MIN_ROWS before the tail
+    assert keep == (limit if common >= limit else max(0, min(common - common % ROW_BLOCK, limit - MIN_ROWS)))
+    assert retained_rows(n, n) == limit and retained_rows(common, n) == min(common - common % ROW_BLOCK, limit)
+
+
+def test_a_prompt_repeated_evaluates_one_to_four_tokens():
+    for n in range(9, 40):
+        assert 1 <= n - restore_point(n, n) <= ROW_BLOCK
 
 
 def test_reuse_attention_turns_auto_off_on_a_cpu_only():
@@ -88,8 +113,9 @@ LEDGER = (
 @pytest.mark.parametrize("name, odd_ubatch", [("smollm2", False), ("gemma", False), ("gemma", True)])
 def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_ubatch):
     """On SmolLM2 (Q4_1) and Gemma 3 (Q4_K_M) a cached request's logprobs equal the uncached run's, whichever
-    earlier request left the cache: one that held the whole question (the tail is then only the template's
-    closing tokens, fewer than MIN_ROWS) and ones that diverged early or late. ``odd_ubatch``: micro-batches
+    earlier request left the cache: the same prompt (only its 1-4 token tail is evaluated again), one that
+    held the whole question (the tail is then the template's closing tokens) and ones that diverged early or
+    late. ``odd_ubatch``: micro-batches
     of a size that is no multiple of ROW_BLOCK, and the uncached prompt's last would be under MIN_ROWS rows."""
     prompt = LEDGER + "Who is the clerk?"
     with demo(name) as model:
@@ -105,7 +131,7 @@ def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_u
         with lease() as cold_lease:
             cold = cold_lease.generate(prompt, max_tokens=6, logprobs=True, top_logprobs=3)
             assert cold.usage.cached_input_tokens == 0 and cold_lease._params.flash_attention == "off"
-        for earlier in (prompt + " Answer in one word.", LEDGER + "Who is the treasurer?", LEDGER[:200]):
+        for earlier in (prompt, prompt + " Answer in one word.", LEDGER + "Who is the treasurer?", LEDGER[:200]):
             with lease() as warm_lease:
                 warm_lease.generate(earlier, max_tokens=2)
                 warm = warm_lease.generate(prompt, max_tokens=6, logprobs=True, top_logprobs=3)

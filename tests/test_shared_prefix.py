@@ -34,13 +34,13 @@ def entry(seq, tokens, last_used, hits=0):
     return PrefixEntry(seq, tuple(tokens), last_used, hits)
 
 
-def test_best_entry_takes_the_longest_common_prefix_and_leaves_min_rows():
-    # the prompt's last MIN_ROWS tokens are always evaluated, the kept part ending on a row block (reuse)
+def test_best_entry_takes_the_longest_common_prefix_and_leaves_the_tail():
+    # a prompt's tail is always evaluated, and a partly cached prompt at least MIN_ROWS tokens before it (reuse)
     tail = list(range(100, 100 + MIN_ROWS))
     a, b = entry(4, [1, 2, 3, 4, 5], 1), entry(5, [1, 2, 3, 9], 2)
     assert best_entry([a, b], [1, 2, 3, 4, 7, *tail], trivial_prefix=1) == (a, 4)
     full = [1, 2, 3, 4, 5, 6, *tail]
-    assert best_entry([entry(4, full, 1), b], full, trivial_prefix=1) == (entry(4, full, 1), 4)  # the tail again
+    assert best_entry([entry(4, full, 1), b], full, trivial_prefix=1) == (entry(4, full, 1), 12)  # the tail again
     assert best_entry([a, b], [1, 2, 3, 4, 5], trivial_prefix=1) == (a, 0)  # too short to keep anything
     assert best_entry([a, b], [1, 2, 8, *tail], trivial_prefix=2) == (None, 0)  # template-only match
     c = entry(6, [1, 2, 3, 4, 6], 3)

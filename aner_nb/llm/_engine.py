@@ -231,6 +231,9 @@ class ContextParams:
     # An embedding context (llama.cpp's embeddings=True) pools each sequence's hidden states this way.
     embeddings: bool = False
     pooling: str = "unspecified"
+    # Not a llama.cpp parameter: the context serves a prefix cache, so every prefill evaluates a prompt's
+    # tail as a llama_decode call of its own (reuse.py, runner.prefill_chunks).
+    prefix_reuse: bool = False
 
 
 # -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --

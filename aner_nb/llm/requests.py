@@ -293,7 +293,8 @@ def context_params(
     ``n_ctx`` overrides the loaded context (a batching lease with shared
     prefixes needs more cells than its request sequences share).
     ``reuses_prefixes``: the contexts serve a prefix cache, so the attention
-    kernel is the one that makes reuse exact (:func:`~aner_nb.llm.reuse.reuse_attention`).
+    kernel and the prefill's calls are the ones that make reuse exact
+    (:func:`~aner_nb.llm.reuse.reuse_attention`, ``runner.prefill_chunks``).
 
     A profile naming an adapter needs that adapter here, so no caller can
     silently create adapter-less contexts for it.
@@ -322,6 +323,7 @@ def context_params(
         kv_unified=kv_unified,
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
+        prefix_reuse=reuses_prefixes,
     )
 
 

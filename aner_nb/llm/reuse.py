@@ -11,7 +11,7 @@ request's logits equal the uncached run's bit for bit.
 from __future__ import annotations
 
 __all__ = [
-    "ROW_BLOCK", "MIN_ROWS", "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
+    "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
     "reuse_attention",
 ]
 
@@ -22,14 +22,17 @@ __all__ = [
 # - weights repacked for the CPU (repack.cpp, e.g. Gemma's Q4_K as q4_K_8x8) are multiplied by gemm for
 #   the micro-batch's rows in blocks of ROW_BLOCK and by gemv for its last ``size % ROW_BLOCK`` rows;
 # - K-quant weights left as they are (tiled/tiled.cpp, e.g. Gemma's Q6_K) take a tiled kernel for a
-#   micro-batch of MIN_ROWS rows or more and the dot-product kernel below that (SmolLM2 also differs
-#   after a one-row micro-batch).
-# So every prefill starts on a multiple of ROW_BLOCK, its micro-batches but the last are multiples of
-# ROW_BLOCK, and its last has at least MIN_ROWS rows (runner.prefill_chunks). Then only the prompt's last
-# ``len % ROW_BLOCK`` rows are gemv rows, whichever cached part a request started from, and a cached row
-# was computed by the kernel the uncached run of any later prompt computes it with.
+#   micro-batch of MIN_ROWS rows or more and the dot-product kernel below that; llamafile's tinyBLAS
+#   (sgemm.cpp) declines a one-row product (SmolLM2 differs after a one-row micro-batch).
+# So a prompt's *body* (everything but its tail, below) is evaluated in micro-batches that start on a
+# multiple of ROW_BLOCK, hold whole row blocks and at least MIN_ROWS rows (runner.prefill_chunks): every
+# body row is a gemm row of a large micro-batch, whichever cached part a request started from. The
+# prompt's *tail*, its last ``len - reuse_limit(len)`` rows (1 to ROW_BLOCK), is always its own
+# micro-batch, in the uncached run too: a request repeating a cached prompt evaluates that same
+# micro-batch over the same KV, so it equals the uncached run without re-evaluating MIN_ROWS rows.
 ROW_BLOCK = 4
 MIN_ROWS = 8
+TAIL_ROWS = 1  # the fewest prompt rows a request evaluates: the last one gives the first token's logits
 
 
 def _floor(n: int) -> int:
@@ -37,25 +40,35 @@ def _floor(n: int) -> int:
 
 
 def reuse_limit(prompt_len: int) -> int:
-    """Most prompt tokens a request may take from cached KV: a multiple of :data:`ROW_BLOCK` leaving at least
-    :data:`MIN_ROWS` to evaluate (which also gives the last row's logits)."""
-    return max(0, _floor(prompt_len - MIN_ROWS))
+    """Where a prompt's tail starts: the most prompt tokens a request may take from cached KV.
+
+    A multiple of :data:`ROW_BLOCK` leaving :data:`TAIL_ROWS` to ``TAIL_ROWS +
+    ROW_BLOCK - 1`` tokens to evaluate; 0 for a prompt whose body would be
+    shorter than :data:`MIN_ROWS` (its rows ran in one small micro-batch).
+    """
+    limit = _floor(max(0, prompt_len - TAIL_ROWS))
+    return limit if limit >= MIN_ROWS else 0
 
 
 def restore_point(common: int, prompt_len: int) -> int:
-    """Where a prompt sharing ``common`` leading tokens with cached KV starts evaluating (the tokens kept)."""
-    return _floor(max(0, min(common, reuse_limit(prompt_len))))
+    """Where a prompt sharing ``common`` leading tokens with cached KV starts evaluating (the tokens kept).
+
+    The whole body when it is cached, else a row block at least
+    :data:`MIN_ROWS` before the tail, so what is left of the body is one or
+    more large micro-batches (see the engine facts above).
+    """
+    limit = reuse_limit(prompt_len)
+    keep = _floor(max(0, min(common, limit)))
+    return keep if keep == limit else min(keep, max(0, limit - MIN_ROWS))
 
 
 def retained_rows(keep: int, prompt_len: int) -> int:
     """Of ``keep`` leading tokens of an evaluated prompt, how many a later prompt may reuse.
 
-    The prompt's last ``prompt_len % ROW_BLOCK`` rows came from the gemv
-    kernel, where a longer prompt computes them by gemm, so the kept part ends
-    on a multiple of :data:`ROW_BLOCK`; a prompt of fewer than :data:`MIN_ROWS`
-    tokens ran in one small micro-batch, by other kernels, and keeps nothing.
+    Only body rows: the tail ran in its own small micro-batch, where a longer
+    prompt computes those rows inside its body.
     """
-    return _floor(max(0, min(keep, prompt_len))) if prompt_len >= MIN_ROWS else 0
+    return _floor(max(0, min(keep, reuse_limit(prompt_len))))
 
 
 def conversation_keep(common: int, prompt_len: int) -> int:
