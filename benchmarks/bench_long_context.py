@@ -56,7 +56,7 @@ from _workloads import evidence  # noqa: E402
 from aner_nb import bench, llm  # noqa: E402
 from aner_nb.bench.evidence import load_average  # noqa: E402
 from aner_nb.llm.prefix_pool import common_prefix_length  # noqa: E402
-from aner_nb.llm.reuse import restore_point, retained_rows  # noqa: E402
+from aner_nb.llm.reuse import BLOCKED, ReuseShape  # noqa: E402
 
 SWEEP_QUESTION = "List every treasurer named in the ledger, with the year of each entry."
 FACTS = (("Q", "48172", 0.1), ("M", "29536", 0.5), ("T", "73614", 0.9))  # vault, code, depth
@@ -98,7 +98,8 @@ def longest_fitting(count_tokens: Callable[[int], int], limit: int, start: int =
 
 # -- headers: the expectation, from token lists only -------------------------------------------------
 def expected_reuse(
-    prompt: Sequence[int], retained: list[list[int]], *, opening: int, capacity: int, cap_tokens: int
+    prompt: Sequence[int], retained: list[list[int]], *, opening: int, capacity: int, cap_tokens: int,
+    shape: ReuseShape = BLOCKED,
 ) -> tuple[int, list[list[int]]]:
     """Prompt tokens a prefix cache should reuse for ``prompt``, and what it retains afterwards.
 
@@ -110,20 +111,20 @@ def expected_reuse(
     the request that reuses it takes it; afterwards the request's prompt (its
     first ``cap_tokens``) is retained and the oldest entries beyond
     ``capacity`` go. Reuse stops at the restore point and a retained prompt
-    is cut to a row block (``aner_nb.llm.reuse``: the last tokens are always
-    evaluated again, with the kernels the uncached run uses).
+    is cut to the body (``shape``, the lease's ``aner_nb.llm.reuse.ReuseShape``:
+    the prompt's tail is always evaluated again, as the uncached run evaluates it).
     """
     lengths = [common_prefix_length(prompt, r) for r in retained]
     best = max(range(len(retained)), key=lambda i: (lengths[i], i), default=None)
     left = list(retained)
     if best is not None and lengths[best] > opening:
-        reuse = restore_point(lengths[best], len(prompt))
+        reuse = shape.restore_point(lengths[best], len(prompt))
         del left[best]
     else:
         reuse = 0
         if len(left) >= capacity:
             del left[0]
-    left.append(list(prompt[: retained_rows(min(len(prompt), cap_tokens), len(prompt))]))
+    left.append(list(prompt[: shape.retained_rows(min(len(prompt), cap_tokens), len(prompt))]))
     return reuse, left[-capacity:]
 
 
@@ -157,7 +158,7 @@ def headers_scenario(lease_of: Callable[..., Any], base: Any, s: Settings, threa
             msgs = messages(name, entries[name[0]])
             tokens = base.prompt_tokens(msgs)
             expect, retained = expected_reuse(tokens, retained, opening=opening, capacity=capacity,
-                                              cap_tokens=cap_tokens)
+                                              cap_tokens=cap_tokens, shape=lease.reuse_shape)
             r = lease.chat(msgs, max_tokens=s.answer_tokens)
             rows.append({"turn": turn, "header": name, "prompt_tokens": r.usage.prompt_tokens,
                          "reused": r.usage.cached_input_tokens, "expected": expect,

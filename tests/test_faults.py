@@ -217,7 +217,7 @@ def test_cancellation_at_each_phase(base, kind, phase):
             assert injection.fired() == 1
         if kind != "ordinary":
             other = lease.prompt_tokens(OTHER)  # still the entry, as retained (cut to a row block, llm.reuse)
-            assert lease._state.pool.retained_tokens()[-1] == tuple(other[: llm.reuse.retained_rows(len(other), len(other))])
+            assert lease._state.pool.retained_tokens()[-1] == tuple(other[: lease.reuse_shape.retained_rows(len(other), len(other))])
         assert_clean(lease, base, contexts, injection)
         assert_next_equals_fresh(lease, base, make)
 
@@ -231,7 +231,7 @@ def test_cancellation_during_prefix_cache_retention(base, kind):
         contexts = base._weights.native.live_contexts() - pool_contexts(lease)
         before = lease._state.pool.retained_tokens()
         n = len(lease.prompt_tokens(PROMPT))
-        keep = llm.reuse.retained_rows(n, n)  # the retention trim: positions from the kept prompt's end
+        keep = lease.reuse_shape.retained_rows(n, n)  # the retention trim: positions from the kept prompt's end
         with inject(Fault("seq_rm", error=KeyboardInterrupt(),
                           when=lambda ctx, seq, p0, p1: (p0, p1) == (keep, -1))) as injection:
             stream = lease.stream(PROMPT, max_tokens=N)

@@ -116,12 +116,12 @@ def test_repeated_prompt_is_served_from_cache_with_identical_output(base):
         # the prompt's tail (its last token or a few more: the kept part ends on a row block) is evaluated
         # again, for the last row's logits, in the micro-batch the uncached run gave it (see reuse), and is
         # not counted as cached
-        assert warm.usage.cached_input_tokens == llm.reuse.reuse_limit(warm.usage.prompt_tokens)
-        assert 1 <= warm.timings.evaluated_prompt_tokens < 1 + llm.reuse.ROW_BLOCK
+        assert warm.usage.cached_input_tokens == fast.reuse_shape.reuse_limit(warm.usage.prompt_tokens)
+        assert 1 <= warm.timings.evaluated_prompt_tokens < 1 + fast.reuse_shape.row_block
         # what the pool held when each request arrived
         assert cold.timings.prefix_cache_entries == 0 and cold.timings.prefix_cache_retained_tokens == 0
         assert warm.timings.prefix_cache_entries == 1
-        assert warm.timings.prefix_cache_retained_tokens == llm.reuse.retained_rows(warm.usage.prompt_tokens, warm.usage.prompt_tokens)
+        assert warm.timings.prefix_cache_retained_tokens == fast.reuse_shape.retained_rows(warm.usage.prompt_tokens, warm.usage.prompt_tokens)
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_cached_and_uncached_outputs_are_token_identical(base, first, second, hi
         assert r.tokens == greedy(base, second).tokens
         shared = llm.prefix_pool.common_prefix_length(base.prompt_tokens(first), base.prompt_tokens(second))
         assert r.timings.prefix_cache_hit == int(hit)
-        assert r.usage.cached_input_tokens == (llm.reuse.restore_point(shared, r.usage.prompt_tokens) if hit else 0)
+        assert r.usage.cached_input_tokens == (fast.reuse_shape.restore_point(shared, r.usage.prompt_tokens) if hit else 0)
         assert r.timings.evaluated_prompt_tokens == r.usage.prompt_tokens - r.usage.cached_input_tokens
 
 
@@ -176,7 +176,7 @@ def test_reuse_is_bitwise_exact_wherever_the_cached_part_ends(request, model, ea
     with base.with_optimizer(prefix_cache_entries=1) as fast:
         fast.generate(EVIDENCE + earlier, max_tokens=4)
         warm = fast.generate(prompt, max_tokens=12, logprobs=True, top_logprobs=5)
-    assert warm.usage.cached_input_tokens == llm.reuse.restore_point(
+    assert warm.usage.cached_input_tokens == fast.reuse_shape.restore_point(
         llm.prefix_pool.common_prefix_length(base.prompt_tokens(EVIDENCE + earlier), base.prompt_tokens(prompt)),
         warm.usage.prompt_tokens,
     ) > 0
@@ -188,10 +188,11 @@ def test_retention_is_capped_by_prefix_cache_tokens(base):
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_tokens=10) as fast:
         greedy(fast, EVIDENCE)
         held = fast._state.pool.retained_tokens()
-        # 10 capped, then cut to a row block (reuse.retained_rows)
-        assert len(held) == 1 and held[0] == tuple(base.prompt_tokens(EVIDENCE)[:8])
+        # 10 capped, then cut to the shape's row block (ReuseShape.retained_rows)
+        kept = fast.reuse_shape.floor(10)
+        assert len(held) == 1 and held[0] == tuple(base.prompt_tokens(EVIDENCE)[:kept])
         r = greedy(fast, EVIDENCE)
-        assert r.usage.cached_input_tokens == 8
+        assert r.usage.cached_input_tokens == kept
 
 
 def test_template_only_match_keeps_the_useful_entry(base):
@@ -201,7 +202,7 @@ def test_template_only_match_keeps_the_useful_entry(base):
         pool = fast._state.pool
         assert pool.entries == 2 and pool.created == 2
         r = greedy(fast, EVIDENCE)
-        assert r.usage.cached_input_tokens == llm.reuse.reuse_limit(r.usage.prompt_tokens)
+        assert r.usage.cached_input_tokens == fast.reuse_shape.reuse_limit(r.usage.prompt_tokens)
 
 
 def test_independent_profiles_and_loads_never_share_kv(base, llama_path):
@@ -262,7 +263,7 @@ def test_sliding_window_model_reuses_prefix_correctly(fixture_models):
                 r = greedy(fast, prompt, 12)
                 assert r.tokens == greedy(plain, prompt, 12).tokens
             # long_b took long_a's entry and trimmed it back to the shared prefix, below the window
-            assert r.usage.cached_input_tokens == llm.reuse.restore_point(shared, r.usage.prompt_tokens) > 100
+            assert r.usage.cached_input_tokens == fast.reuse_shape.restore_point(shared, r.usage.prompt_tokens) > 100
             short_a, short_b = "tell me one thing", "tell me two things"  # divergence inside the window
             greedy(fast, short_a, 12)
             r = greedy(fast, short_b, 12)

@@ -473,7 +473,7 @@ def test_the_system_prefix_is_pinned_apart_from_the_conversation_lru(base):
         for i in range(3):
             fast.generate(f"Unrelated topic {i}: " + LONG[:200], max_tokens=2)
         store = fast._state.pool.store
-        pinned = system - system % llm.reuse.ROW_BLOCK  # a kept prefix ends on a row block (reuse.retained_rows)
+        pinned = fast.reuse_shape.floor(system)  # a kept prefix ends on the shape's row block (retained_rows)
         assert tuple(prepared.tokens[:pinned]) in store.ram
         r = chat(fast, QUESTIONS[2])
         assert r.tokens == cold[QUESTIONS[2]]
@@ -505,7 +505,7 @@ def test_gemma_fixture_restores_exactly_from_ram_and_disk(fixture_models, one_th
             fast.generate("Something else entirely, with no shared evidence at all.", max_tokens=2)
             r = ask(fast, QUESTIONS[0])  # the same prompt: its entry is whole and ends where reuse allows
             assert r.tokens == cold[QUESTIONS[0]] and r.timings.prefix_cache_tier == TIER_CODES["ram"]
-            assert r.timings.prefix_restored_tokens == llm.reuse.reuse_limit(r.usage.prompt_tokens) > n_swa
+            assert r.timings.prefix_restored_tokens == fast.reuse_shape.reuse_limit(r.usage.prompt_tokens) > n_swa
             other = ask(fast, QUESTIONS[1])  # would need the entry cut shorter than saved: runs cold
             assert other.tokens == cold[QUESTIONS[1]] and other.timings.prefix_cache_tier in (TIER_CODES["cold"],
                                                                                               TIER_CODES["live"])

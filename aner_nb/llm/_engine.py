@@ -29,6 +29,7 @@ from . import engine_log, faults
 from .engine_log import KV_LOG_RESOLUTION, KVBuffer, kv_buffers
 from .errors import ConfigurationError, EngineError, NativeUnavailableError
 from .faults import NO_FAULT as _NO_FAULT, Injection
+from .reuse import ReuseShape
 
 __all__ = [
     "native_available",
@@ -231,9 +232,9 @@ class ContextParams:
     # An embedding context (llama.cpp's embeddings=True) pools each sequence's hidden states this way.
     embeddings: bool = False
     pooling: str = "unspecified"
-    # Not a llama.cpp parameter: the context serves a prefix cache, so every prefill evaluates a prompt's
-    # tail as a llama_decode call of its own (reuse.py, runner.prefill_chunks).
-    prefix_reuse: bool = False
+    # Not a llama.cpp parameter: the context serves a prefix cache, with the model's reuse shape (reuse.py);
+    # every prefill then evaluates a prompt's tail as a llama_decode call of its own (runner.prefill_chunks).
+    prefix_reuse: ReuseShape | None = None
 
 
 # -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --

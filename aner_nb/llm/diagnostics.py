@@ -201,7 +201,7 @@ def _measure(
         def measure_split(ctx: NativeContext, batch: Batch) -> float:
             return _movement(plain, _plain_replay(ctx, batch, prompt, continuation, shape.cached))
 
-        latency = replace(ordinary, swa_full=True, prefix_reuse=True)  # a prefix-cache lease's context
+        latency = replace(ordinary, swa_full=True, prefix_reuse=weights.reuse_shape)  # a prefix-cache lease's context
         moved = _in_context(weights, latency, measure)
         if 0 < shape.cached < len(prompt):
             moved = max(moved, _in_context(weights, latency, measure_split))

@@ -33,6 +33,7 @@ from .options import RequestSettings
 from .profiles import DEFAULT_DISK_BYTES, BatchingSettings, OptimizerSettings, Profile
 from .protocol import BUILDERS, Done, Lease, LeaseKind, Pieces, RequestRules, with_text_callback
 from .requests import Prepared, RawText, context_params, template_opening
+from .reuse import ReuseShape
 from .runner import Job, run_request
 from .session import Session
 from .summary import MemorySummary, lease_holdings, memory_summary
@@ -258,6 +259,11 @@ class LLMModel(Lease):
         )
         check_source_profile(self._profile, settings)
         return BatchingModel(self._weights, self._profile.with_(batching=settings, optimizer=optimizer), adapter=self._adapter)
+
+    @property
+    def reuse_shape(self) -> ReuseShape | None:
+        """Where a prompt may start over this lease's cached prefixes (:class:`~aner_nb.llm.reuse.ReuseShape`); None without a prefix cache."""
+        return self._params.prefix_reuse
 
     def prefix_tier_stats(self) -> "dict[str, object] | None":
         """The prefix tiers' counters (hits, misses, skips by reason, bytes by tier) and holdings; None without tiers."""

@@ -27,7 +27,7 @@ from .context_pool import Acquired, ContextSlot, free_all, new_slot
 from .errors import LLMError
 from .prefix_store import PrefixStore
 from .prefix_tiers import TIER_CODES
-from .reuse import restore_point, retained_rows, reuse_limit
+from .reuse import BLOCKED, ReuseShape
 from .timings import PoolTimings, PrefixCacheTimings, PrefixTierTimings, TimingsPart
 
 __all__ = [
@@ -50,13 +50,13 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def reusable_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt tokens that can stay in the KV: the common prefix cut to a restore point (``reuse.restore_point``).
+def reusable_prefix(cached: Sequence[int], prompt: Sequence[int], shape: ReuseShape = BLOCKED) -> int:
+    """Prompt tokens that can stay in the KV: the common prefix cut to a restore point (``ReuseShape.restore_point``).
 
     A fully cached prompt still evaluates its last few tokens; they are not
     counted as cached input.
     """
-    return restore_point(common_prefix_length(cached, prompt), len(prompt))
+    return shape.restore_point(common_prefix_length(cached, prompt), len(prompt))
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ def choose(
     trivial_prefix: int,
     capacity: int,
     in_use: int = 0,
+    shape: ReuseShape = BLOCKED,
 ) -> Choice:
     """Pick the entry with the longest identical token prefix (most recent on ties).
 
@@ -94,7 +95,7 @@ def choose(
         if n > best_len or (n == best_len and best is not None and last_used[i] > last_used[best]):
             best, best_len = i, n
     if best is not None and best_len > trivial_prefix:
-        return Choice(best, reusable_prefix(entries[best], prompt))
+        return Choice(best, reusable_prefix(entries[best], prompt, shape))
     if len(entries) + in_use < capacity or not entries:
         return Choice(None, 0, None)
     return Choice(None, 0, lru_victim(last_used))
@@ -105,9 +106,9 @@ def lru_victim(last_used: Sequence[int]) -> int:
     return min(range(len(last_used)), key=lambda i: last_used[i])
 
 
-def retain_length(prompt_len: int, cap: int) -> int:
-    """Prompt tokens kept after a successful request: at most ``cap``, none of a prompt too short to reuse (``reuse.retained_rows``)."""
-    return retained_rows(max(0, min(prompt_len, cap)), prompt_len)
+def retain_length(prompt_len: int, cap: int, shape: ReuseShape = BLOCKED) -> int:
+    """Prompt tokens kept after a successful request: at most ``cap``, none of a prompt too short to reuse (``ReuseShape.retained_rows``)."""
+    return shape.retained_rows(max(0, min(prompt_len, cap)), prompt_len)
 
 
 class _Entry:
@@ -129,6 +130,7 @@ class PrefixPool:
         self.model = model
         self.store = store  # RAM / disk tiers behind the live entries, or None
         self.params = params
+        self.shape = params.prefix_reuse or BLOCKED  # where a prompt may start over cached KV
         self.capacity = capacity
         self.max_tokens = max_tokens
         self.trivial_prefix = trivial_prefix
@@ -165,7 +167,7 @@ class PrefixPool:
             entries = self._entries
             choice = choose(
                 [e.tokens for e in entries], [e.last_used for e in entries], prompt,
-                trivial_prefix=self.trivial_prefix, capacity=self.capacity, in_use=self._in_use,
+                trivial_prefix=self.trivial_prefix, capacity=self.capacity, in_use=self._in_use, shape=self.shape,
             )
             retained = (len(entries), sum(len(e.tokens) for e in entries))  # as the request found it
             index = choice.entry if choice.entry is not None else choice.evict
@@ -253,7 +255,7 @@ class PrefixPool:
         if store is None:
             return
         # a pinned length is cut as every kept prefix is (reuse.retained_rows)
-        cut = {retained_rows(n, len(prompt)) for n in lengths}
+        cut = {self.shape.retained_rows(n, len(prompt)) for n in lengths}
         todo = sorted({n for n in cut if 0 < n <= slot.ctx.seq_pos_max(0) + 1}, reverse=True)
         todo = [n for n in todo if not (
             (store.ram is not None and tuple(prompt[:n]) in store.ram) or (store.ram is None and not store.wants_disk(prompt[:n]))
@@ -278,11 +280,11 @@ class PrefixPool:
 
         ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`).
         """
-        keep = retain_length(len(prompt), self.max_tokens)
+        keep = retain_length(len(prompt), self.max_tokens, self.shape)
         if self.store is not None and self.store.exact_only:
             # A sliding-window entry restores only whole (see PrefixStore): keep no more than the same
             # prompt again may reuse, so it restores all it keeps (reuse.reuse_limit).
-            keep = min(keep, reuse_limit(len(prompt)))
+            keep = min(keep, self.shape.reuse_limit(len(prompt)))
         retained = False
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first

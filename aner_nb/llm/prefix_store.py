@@ -35,7 +35,7 @@ from .disk_writer import DiskWriter
 from .errors import ConfigurationError, LLMError, StateMismatchError
 from .kv_identity import KVIdentity
 from .prefix_tiers import TIER_CODES, DiskTier, RamTier, TierConfig, TierStats, common_length
-from .reuse import restore_point, reuse_limit
+from .reuse import BLOCKED, ReuseShape
 
 __all__ = ["Restored", "PrefixStore", "check_tiers_allowed"]
 
@@ -72,9 +72,11 @@ class PrefixStore:
     """One lease's RAM and disk tiers. ``identity`` gives the identity of a context of this lease."""
 
     def __init__(
-        self, config: TierConfig, identity: Callable[[Any], KVIdentity], *, trivial_prefix: int = 0, n_swa: int = 0
+        self, config: TierConfig, identity: Callable[[Any], KVIdentity], *, trivial_prefix: int = 0, n_swa: int = 0,
+        shape: ReuseShape = BLOCKED,
     ) -> None:
         self.config = config
+        self.shape = shape  # where a prompt may start over a stored prefix (the lease's contexts' shape)
         # A sliding-window model's saved state holds only the last window of its SWA layers' cells (even
         # from a full SWA cache), so a restored entry continues exactly from its end but cannot be cut
         # shorter: only entries that are a whole prefix of the prompt are used, never trimmed.
@@ -180,7 +182,7 @@ class PrefixStore:
         """
         prompt = tuple(prompt)
         floor = max(better_than, self.trivial_prefix)
-        if reuse_limit(len(prompt)) <= floor:
+        if self.shape.reuse_limit(len(prompt)) <= floor:
             return None
         t0 = time.perf_counter_ns()
         identity = self.identity(ctx)
@@ -188,8 +190,8 @@ class PrefixStore:
         disk = self.disk.best(prompt, min_common=floor + 1) if self.disk is not None else []
         queued = [(common_length(k, prompt), k) for k in (self.writer.pending_keys() if self.writer else ())]
         queued = [(n, k) for n, k in queued if n > floor]
-        if self.exact_only:  # whole prefixes only, leaving the prompt's last reuse.MIN_ROWS tokens (see __init__)
-            limit = reuse_limit(len(prompt))
+        if self.exact_only:  # whole prefixes only, leaving at least the prompt's tail (see __init__)
+            limit = self.shape.reuse_limit(len(prompt))
             key = self.ram.longest(prompt[:limit], min_tokens=floor + 1) if self.ram is not None else None
             ram = (key, len(key)) if key is not None else None
             disk = [c for c in disk if c[0] == len(c[1]) <= limit]
@@ -200,7 +202,7 @@ class PrefixStore:
         if ram is not None:
             candidates.append((ram[1], 0, ram[0]))
         # What each would keep (the match cut to a restore point); a whole-prefix entry only if it keeps all.
-        kept = [(restore_point(n, len(prompt)), n, source, what) for n, source, what in candidates]
+        kept = [(self.shape.restore_point(n, len(prompt)), n, source, what) for n, source, what in candidates]
         candidates = [(k, source, what) for k, n, source, what in kept if k > floor and (k == n or not self.exact_only)]
         candidates.sort(key=lambda c: (-c[0], c[1]))
         for _, source, what in candidates:
@@ -264,7 +266,7 @@ class PrefixStore:
             self.stats.skip("tokens", f"a {tier} entry's token ids are not the ones it is stored under")
             return None
         n = len(tokens)
-        keep = restore_point(common_length(tokens, prompt), len(prompt))
+        keep = self.shape.restore_point(common_length(tokens, prompt), len(prompt))
         if self.exact_only and keep != n:
             self.stats.skip("sliding_window", f"a {tier} entry of {n} tokens would have to be cut to {keep}")
             return None
@@ -333,7 +335,7 @@ def tier_store(weights: Any, profile: Any, params: Any, *, trivial_prefix: int) 
         )
 
     n_swa = int(getattr(weights.native, "n_swa", 0) or 0)
-    return PrefixStore(config, identity, trivial_prefix=trivial_prefix, n_swa=n_swa)
+    return PrefixStore(config, identity, trivial_prefix=trivial_prefix, n_swa=n_swa, shape=params.prefix_reuse or BLOCKED)
 
 
 def system_prefix_length(weights: Any, messages: Any, tokens: Sequence[int]) -> int:

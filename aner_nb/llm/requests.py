@@ -27,7 +27,7 @@ from .chat import locate_contents, template_layout, validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
 from .options import REGISTRY, Registry, RequestSettings
 from .profiles import Profile
-from .reuse import reuse_attention
+from .reuse import BLOCKED, reuse_attention
 from .runner import Job
 from .sampling import request_grammar
 from .chat_input import chat_input
@@ -323,7 +323,8 @@ def context_params(
         kv_unified=kv_unified,
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
-        prefix_reuse=reuses_prefixes,
+        # an adapter's weights are not among the facts the model's own shape was read from
+        prefix_reuse=(weights.reuse_shape if adapter is None else BLOCKED) if reuses_prefixes else None,
     )
 
 

@@ -1,17 +1,23 @@
 """How much of a prompt may come from cached KV, and with which attention kernel reuse is exact.
 
 Every cache of evaluated prompts (a latency lease's prefix pool and its RAM
-/ disk tiers, a batching lease's shared prefixes) asks :func:`reuse_limit`
-and :func:`restore_point`; a lease that reuses prefix KV builds its contexts
-with :func:`reuse_attention` and prefills over ``runner.prefill_chunks``.
+/ disk tiers, a batching lease's shared prefixes) asks a :class:`ReuseShape`
+where a prompt may start (the model's own, :func:`reuse_shape`, on a latency
+lease; :data:`BLOCKED`, the module-level functions, elsewhere); a lease that
+reuses prefix KV builds its contexts with :func:`reuse_attention` and the
+shape, and prefills over ``runner.prefill_chunks``.
 Together they are engine facts turned into plain rules, so a cached
 request's logits equal the uncached run's bit for bit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 __all__ = [
-    "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
+    "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "ROW_LOCAL_TYPES", "ReuseShape", "BLOCKED", "ROW_LOCAL", "reuse_shape",
+    "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
     "reuse_attention",
 ]
 
@@ -34,41 +40,87 @@ ROW_BLOCK = 4
 MIN_ROWS = 8
 TAIL_ROWS = 1  # the fewest prompt rows a request evaluates: the last one gives the first token's logits
 
+# Weight types whose CPU product computes a row alike wherever it sits in a micro-batch of MIN_ROWS rows or
+# more, on an x86 build without AMX: dot products (vec_dot) or llamafile's tinyBLAS, neither repacked
+# (repack.cpp repacks Q4_0, Q4_K, IQ4_NL, MXFP4 and, with AVX-512, Q2_K) nor tiled (tiled/tiled.cpp: the
+# K-quants and IQ types). A model made only of these needs no row block (SmolLM2 Q4_1 measured exact at
+# restore points off a row block, RESULTS.md).
+ROW_LOCAL_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_1", "Q5_0", "Q5_1"})
 
-def _floor(n: int) -> int:
-    return n - n % ROW_BLOCK
 
+@dataclass(frozen=True)
+class ReuseShape:
+    """Where a prompt may start evaluating over cached KV, for one model's kernels on this build.
 
-def reuse_limit(prompt_len: int) -> int:
-    """Where a prompt's tail starts: the most prompt tokens a request may take from cached KV.
-
-    A multiple of :data:`ROW_BLOCK` leaving :data:`TAIL_ROWS` to ``TAIL_ROWS +
-    ROW_BLOCK - 1`` tokens to evaluate; 0 for a prompt whose body would be
-    shorter than :data:`MIN_ROWS` (its rows ran in one small micro-batch).
+    ``row_block``: restore points and body micro-batches are whole blocks of
+    this many rows (:data:`ROW_BLOCK` where weights are repacked or tiled, 1
+    where every weight type is row-local). The prompt's tail is
+    :data:`TAIL_ROWS` to ``TAIL_ROWS + row_block - 1`` tokens.
     """
-    limit = _floor(max(0, prompt_len - TAIL_ROWS))
-    return limit if limit >= MIN_ROWS else 0
+
+    row_block: int = ROW_BLOCK
+
+    def __post_init__(self) -> None:
+        if self.row_block not in (1, ROW_BLOCK):
+            raise ValueError(f"row_block must be 1 or {ROW_BLOCK}, got {self.row_block}")
+
+    def floor(self, n: int) -> int:
+        return n - n % self.row_block
+
+    def reuse_limit(self, prompt_len: int) -> int:
+        """Where a prompt's tail starts: the most prompt tokens a request may take from cached KV.
+
+        0 for a prompt whose body would be shorter than :data:`MIN_ROWS` (its
+        rows ran in one small micro-batch).
+        """
+        limit = self.floor(max(0, prompt_len - TAIL_ROWS))
+        return limit if limit >= MIN_ROWS else 0
+
+    def restore_point(self, common: int, prompt_len: int) -> int:
+        """Where a prompt sharing ``common`` leading tokens with cached KV starts evaluating (the tokens kept).
+
+        The whole body when it is cached, else a row block at least
+        :data:`MIN_ROWS` before the tail, so what is left of the body is one or
+        more large micro-batches (see the engine facts above).
+        """
+        limit = self.reuse_limit(prompt_len)
+        keep = self.floor(max(0, min(common, limit)))
+        return keep if keep == limit else min(keep, max(0, limit - MIN_ROWS))
+
+    def retained_rows(self, keep: int, prompt_len: int) -> int:
+        """Of ``keep`` leading tokens of an evaluated prompt, how many a later prompt may reuse.
+
+        Only body rows: the tail ran in its own small micro-batch, where a
+        longer prompt computes those rows inside its body.
+        """
+        return self.floor(max(0, min(keep, self.reuse_limit(prompt_len))))
+
+    def micro_batch_rows(self, n_ubatch: int) -> int:
+        """The micro-batch a prefill uses under llama.cpp's ``n_ubatch``: whole row blocks."""
+        return self.floor(n_ubatch) if n_ubatch >= 2 * MIN_ROWS else n_ubatch
 
 
-def restore_point(common: int, prompt_len: int) -> int:
-    """Where a prompt sharing ``common`` leading tokens with cached KV starts evaluating (the tokens kept).
+BLOCKED = ReuseShape(ROW_BLOCK)  # every model; the module-level rules below are this shape's
+ROW_LOCAL = ReuseShape(1)
 
-    The whole body when it is cached, else a row block at least
-    :data:`MIN_ROWS` before the tail, so what is left of the body is one or
-    more large micro-batches (see the engine facts above).
+
+def reuse_shape(tensor_types: Iterable[str], *, build_flags: Iterable[str], machine: str, on_cpu: bool) -> ReuseShape:
+    """The shape of a model's weights on this build: :data:`ROW_LOCAL` only where every fact above was read.
+
+    That is an x86 CPU build without AMX (AMX kernels tile other types their
+    own way) and weights all of :data:`ROW_LOCAL_TYPES`; anything else, a GPU
+    included, gets :data:`BLOCKED`.
     """
-    limit = reuse_limit(prompt_len)
-    keep = _floor(max(0, min(common, limit)))
-    return keep if keep == limit else min(keep, max(0, limit - MIN_ROWS))
+    x86 = machine.lower() in ("x86_64", "amd64")
+    if on_cpu and x86 and "AMX_INT8" not in set(build_flags) and set(tensor_types) <= ROW_LOCAL_TYPES:
+        return ROW_LOCAL
+    return BLOCKED
 
 
-def retained_rows(keep: int, prompt_len: int) -> int:
-    """Of ``keep`` leading tokens of an evaluated prompt, how many a later prompt may reuse.
-
-    Only body rows: the tail ran in its own small micro-batch, where a longer
-    prompt computes those rows inside its body.
-    """
-    return _floor(max(0, min(keep, reuse_limit(prompt_len))))
+reuse_limit = BLOCKED.reuse_limit
+restore_point = BLOCKED.restore_point
+retained_rows = BLOCKED.retained_rows
+micro_batch_rows = BLOCKED.micro_batch_rows
 
 
 def conversation_keep(common: int, prompt_len: int) -> int:
@@ -81,11 +133,6 @@ def conversation_keep(common: int, prompt_len: int) -> int:
     sliding-window state continue without a trim it could not make.
     """
     return max(0, min(common, prompt_len - 1))
-
-
-def micro_batch_rows(n_ubatch: int) -> int:
-    """The micro-batch a prefill uses under llama.cpp's ``n_ubatch``: a multiple of :data:`ROW_BLOCK`."""
-    return _floor(n_ubatch) if n_ubatch >= 2 * MIN_ROWS else n_ubatch
 
 
 def reuse_attention(requested: str, *, kv_cache_type: str, on_cpu: bool) -> str:

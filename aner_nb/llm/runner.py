@@ -29,7 +29,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import Response, Usage
-from .reuse import MIN_ROWS, ROW_BLOCK, micro_batch_rows, reuse_limit
+from .reuse import BLOCKED, MIN_ROWS, ReuseShape
 from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
 from .json_closing import JsonCloser
 from .lookup import DraftPolicy, NgramIndex
@@ -299,32 +299,34 @@ class PrefillCancelled(Exception):
 
 
 def prefill_chunks(
-    start: int, end: int, n_batch: int, n_ubatch: int, *, tail_apart: bool = False
+    start: int, end: int, n_batch: int, n_ubatch: int, *, reuse: ReuseShape | None = None
 ) -> list[tuple[int, int]]:
     """The ``[lo, hi)`` position ranges of a prefill's llama_decode calls, shaped for exact reuse (:mod:`.reuse`).
 
-    ``tail_apart`` (a context serving a prefix cache): the prompt's tail, from
-    ``reuse.reuse_limit(end)``, is a call of its own. llama.cpp splits each call into micro-batches of ``n_ubatch`` rows from
+    ``reuse`` (a context serving a prefix cache, its model's shape): the
+    prompt's tail, from ``reuse.reuse_limit(end)``, is a call of its own; without
+    it the shape is ``reuse.BLOCKED`` and the tail stays in the last micro-batch. llama.cpp splits each call into micro-batches of ``n_ubatch`` rows from
     the call's start (``n_ubatch`` clamped to ``n_batch``). Before the tail,
-    every micro-batch but the last has :func:`~aner_nb.llm.reuse.micro_batch_rows`
-    rows, a multiple of ``ROW_BLOCK`` (one per call when that is not
-    ``n_ubatch`` itself), and a last one under ``MIN_ROWS`` rows takes whole
-    row blocks from the one before. Only a body too short to lend from keeps
+    every micro-batch but the last has the shape's ``micro_batch_rows``,
+    whole row blocks (one per call when that is not ``n_ubatch`` itself), and
+    a last one under ``MIN_ROWS`` rows takes whole row blocks from the one
+    before. Only a body too short to lend from keeps
     a small micro-batch.
     """
-    tail = max(start, min(end, reuse_limit(end))) if tail_apart else end
-    return [*_body_chunks(start, tail, n_batch, n_ubatch), *([(tail, end)] if end > tail else [])]
+    shape = reuse or BLOCKED
+    tail = max(start, min(end, shape.reuse_limit(end))) if reuse is not None else end
+    return [*_body_chunks(start, tail, n_batch, n_ubatch, shape), *([(tail, end)] if end > tail else [])]
 
 
-def _body_chunks(start: int, end: int, n_batch: int, n_ubatch: int) -> list[tuple[int, int]]:
+def _body_chunks(start: int, end: int, n_batch: int, n_ubatch: int, shape: ReuseShape) -> list[tuple[int, int]]:
     if end <= start:
         return []
     ub = max(1, min(n_ubatch, n_batch))
-    step = micro_batch_rows(ub)
+    step = shape.micro_batch_rows(ub)
     bounds = [*range(start, end, step), end]  # micro-batch boundaries
     short = end - bounds[-2]
     if len(bounds) > 2 and 0 < short < MIN_ROWS:
-        lend = -(-(MIN_ROWS - short) // ROW_BLOCK) * ROW_BLOCK
+        lend = -(-(MIN_ROWS - short) // shape.row_block) * shape.row_block
         if bounds[-2] - lend - bounds[-3] >= MIN_ROWS:
             bounds[-2] -= lend
     per_call = max(1, n_batch // ub) if step == ub else 1
@@ -352,7 +354,7 @@ def prefill(
     (:class:`PrefillCancelled`).
     """
     calls = 0
-    chunks = prefill_chunks(start, len(tokens), batch.capacity, ctx.params.n_ubatch, tail_apart=ctx.params.prefix_reuse)
+    chunks = prefill_chunks(start, len(tokens), batch.capacity, ctx.params.n_ubatch, reuse=ctx.params.prefix_reuse)
     for lo, hi in chunks:
         if cancel is not None and cancel.is_set():
             raise PrefillCancelled(lo - start)

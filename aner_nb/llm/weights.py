@@ -7,13 +7,15 @@ collected by its finalizer.
 
 from __future__ import annotations
 
+import platform
 import threading
 from dataclasses import asdict, dataclass
 
-from ._engine import NativeModel
+from ._engine import NativeModel, build_flags
 from .artifact import ModelFacts
 from .chat import ChatTemplate
 from .profiles import LoadSettings
+from .reuse import ReuseShape, reuse_shape
 
 __all__ = ["LoadSummary", "SharedWeights"]
 
@@ -63,10 +65,19 @@ class SharedWeights:
         self.summary = summary
         self._users = 0
         self._lock = threading.Lock()
+        self._reuse_shape: ReuseShape | None = None
 
     @property
     def fingerprint(self) -> str:
         return self.summary.fingerprint
+
+    @property
+    def reuse_shape(self) -> ReuseShape:
+        """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`)."""
+        if self._reuse_shape is None:
+            types = (t for _, t in self.facts.tensor_types)
+            self._reuse_shape = reuse_shape(types, build_flags=build_flags(), machine=platform.machine(), on_cpu=self.device == "cpu")
+        return self._reuse_shape
 
     @property
     def released(self) -> bool:
