@@ -211,8 +211,9 @@ def _open_model(args: argparse.Namespace, attention: str = ATTENTION) -> tuple:
 
     The uncached lease has the cached side's context layout (a prefix-cache
     lease: a full sliding-window cache, the same attention kernel) but keeps
-    nothing (``prefix_cache_tokens=1``: a kept prompt is cut to a row block,
-    so none is held), so every request evaluates its whole prompt. A plain
+    nothing useful (``prefix_cache_tokens=1``: at most one token is held, and a
+    match must be longer than the template's opening), so every request
+    evaluates its whole prompt, in the same calls (its tail apart). A plain
     latency lease would not do: it keeps a window-sized sliding-window cache,
     and Gemma's attention then sums over other cells (another rounding). Its
     cost: each request creates its context (tens of ms against seconds of

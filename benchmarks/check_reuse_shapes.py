@@ -11,10 +11,12 @@ reaching the same prompt of ``n`` tokens:
 
 and prints the largest absolute logit difference over the last prompt row and
 every step (``0`` is bitwise equal). ``--chunks ours`` splits every prefill
-with ``runner.prefill_chunks`` (what the library does: micro-batches of whole
-row blocks, the last at least ``reuse.MIN_ROWS`` rows), so a restore point on a
-multiple of ``reuse.ROW_BLOCK`` is exact and another one shows the gemm/gemv
-split of repacked weights (Gemma); ``--chunks plain`` uses llama.cpp's own
+with ``runner.prefill_chunks`` as a prefix-cache lease of the model does (its
+``reuse.ReuseShape``: the prompt's tail a call of its own, body micro-batches
+of whole row blocks, the last at least ``reuse.MIN_ROWS`` rows), so a restore
+point the shape allows is exact; with ``--chunks blocks`` (the 4-row shape
+whatever the model, no separate tail) a restore point off a multiple of
+``reuse.ROW_BLOCK`` shows the gemm/gemv split of repacked weights (Gemma); ``--chunks plain`` uses llama.cpp's own
 split (calls of ``n_batch``, micro-batches of ``n_ubatch`` from each call's
 start), which shows which tails round differently. ``--flash-attention on``
 shows why a prefix-cache lease turns it off on a CPU.
@@ -26,6 +28,7 @@ Run: ``python benchmarks/check_reuse_shapes.py --model gemma --flash-attention o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 import numpy as np
@@ -71,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_option(parser, SMOLLM2)
     parser.add_argument("--flash-attention", choices=("on", "off"), default="off")
-    parser.add_argument("--chunks", choices=("ours", "plain"), default="ours")
+    parser.add_argument("--chunks", choices=("ours", "blocks", "plain"), default="ours")
     parser.add_argument("--tails", default="1,2,4,7,8,16,57,132", help="prompt tokens evaluated after the restore point")
     parser.add_argument("--extra", default="0,34,300", help="tokens the earlier request had past the restore point")
     parser.add_argument("--batch", type=int, default=512)
@@ -90,7 +93,11 @@ def main() -> None:
             params = context_params(lease._weights, lease.profile, swa_full=True)
         params = _engine.ContextParams(**{**params.__dict__, "n_batch": args.batch, "n_ubatch": args.ubatch,
                                           "flash_attention": args.flash_attention})
-        split = prefill_chunks if args.chunks == "ours" else plain_chunks
+        split = {
+            "ours": functools.partial(prefill_chunks, reuse=lease._weights.reuse_shape),
+            "blocks": prefill_chunks,
+            "plain": plain_chunks,
+        }[args.chunks]
         print(f"prompt {n} tokens; n_batch {args.batch}, n_ubatch {args.ubatch}, threads {threads}, "
               f"flash attention {args.flash_attention}, chunks {args.chunks}, swa_full", flush=True)
         native = lease._weights.native

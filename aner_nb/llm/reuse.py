@@ -31,11 +31,13 @@ __all__ = [
 #   micro-batch of MIN_ROWS rows or more and the dot-product kernel below that; llamafile's tinyBLAS
 #   (sgemm.cpp) declines a one-row product (SmolLM2 differs after a one-row micro-batch).
 # So a prompt's *body* (everything but its tail, below) is evaluated in micro-batches that start on a
-# multiple of ROW_BLOCK, hold whole row blocks and at least MIN_ROWS rows (runner.prefill_chunks): every
-# body row is a gemm row of a large micro-batch, whichever cached part a request started from. The
-# prompt's *tail*, its last ``len - reuse_limit(len)`` rows (1 to ROW_BLOCK), is always its own
-# micro-batch, in the uncached run too: a request repeating a cached prompt evaluates that same
-# micro-batch over the same KV, so it equals the uncached run without re-evaluating MIN_ROWS rows.
+# multiple of the shape's row block, hold whole row blocks and at least MIN_ROWS rows
+# (runner.prefill_chunks): every body row is a gemm row of a large micro-batch, whichever cached part a
+# request started from. The prompt's *tail*, its last ``len - reuse_limit(len)`` rows (TAIL_ROWS to
+# TAIL_ROWS + row_block - 1), is always its own micro-batch, in the uncached run too: a request repeating
+# a cached prompt evaluates that same micro-batch over the same KV, so it equals the uncached run without
+# re-evaluating MIN_ROWS rows (RESULTS.md: 1 row on SmolLM2, 1-4 on Gemma, against llama-server's 1).
+# The micro-batch the tail costs a request the cache cannot serve is one more pass over the weights.
 ROW_BLOCK = 4
 MIN_ROWS = 8
 TAIL_ROWS = 1  # the fewest prompt rows a request evaluates: the last one gives the first token's logits
