@@ -280,11 +280,9 @@ class PrefixPool:
 
         ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`).
         """
+        # At most the prompt's body (ReuseShape.retained_rows), which the same prompt again restores whole:
+        # what a sliding-window entry needs, as it restores only whole (see PrefixStore).
         keep = retain_length(len(prompt), self.max_tokens, self.shape)
-        if self.store is not None and self.store.exact_only:
-            # A sliding-window entry restores only whole (see PrefixStore): keep no more than the same
-            # prompt again may reuse, so it restores all it keeps (reuse.reuse_limit).
-            keep = min(keep, self.shape.reuse_limit(len(prompt)))
         retained = False
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first
