@@ -118,7 +118,7 @@ def expected_reuse(
     best = max(range(len(retained)), key=lambda i: (lengths[i], i), default=None)
     left = list(retained)
     if best is not None and lengths[best] > opening:
-        reuse = shape.restore_point(lengths[best], len(prompt))
+        reuse = shape.restore_point(lengths[best], len(prompt), len(retained[best]))
         del left[best]
     else:
         reuse = 0

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from aner_nb import llm
 
-from aner_nb.llm.reuse import BLOCKED, MIN_ROWS, ROW_BLOCK, ROW_LOCAL, TAIL_ROWS, ReuseShape, micro_batch_rows, reuse_shape, restore_point, retained_rows, reuse_attention, reuse_limit
+from aner_nb.llm.reuse import BLOCKED, MIN_ROWS, RAGGED, ROW_BLOCK, ROW_LOCAL, TAIL_ROWS, ReuseShape, micro_batch_rows, reuse_shape, restore_point, retained_rows, reuse_attention, reuse_limit
 from aner_nb.llm.runner import prefill_chunks
 from test_optimizer import logprob_rows
 
@@ -50,7 +50,7 @@ def test_examples():
 @given(
     start=st.integers(0, 3000), length=st.integers(0, 3000),
     n_batch=st.sampled_from([16, 32, 100, 128, 512, 2048]), n_ubatch=st.sampled_from([16, 17, 64, 128, 512]),
-    shape=st.sampled_from([BLOCKED, ROW_LOCAL]),
+    shape=st.sampled_from([BLOCKED, RAGGED, ROW_LOCAL]),
 )
 def test_chunks_cover_the_prompt_in_calls_llama_cpp_accepts(start, length, n_batch, n_ubatch, shape):
     end = start + length
@@ -63,6 +63,7 @@ def test_chunks_cover_the_prompt_in_calls_llama_cpp_accepts(start, length, n_bat
     tail = shape.reuse_limit(end)
     if 0 < tail and start <= tail < end:  # the tail is the last call, of TAIL_ROWS to TAIL_ROWS + row_block - 1 rows
         assert calls[-1][0] == tail and TAIL_ROWS <= end - tail < TAIL_ROWS + block
+        assert not shape.ragged_body or end - tail == TAIL_ROWS  # a ragged body: the last row alone
         body = calls[:-1]
     else:
         body = calls
@@ -72,7 +73,9 @@ def test_chunks_cover_the_prompt_in_calls_llama_cpp_accepts(start, length, n_bat
     assert all(s % block == 0 for s in sizes[:-1])
     assert all(s == shape.micro_batch_rows(ub) for s in sizes[:-2])
     if start % block == 0 and start <= tail and tail - start >= MIN_ROWS and (len(sizes) > 1 or ub >= 2 * MIN_ROWS):
-        assert min(sizes) >= MIN_ROWS and all(s % block == 0 for s in sizes)
+        # (a ragged body's last micro-batch ends off a row block: its gemv rows, the same in every run of this body)
+        assert min(sizes) >= MIN_ROWS and all(s % block == 0 for s in sizes[:-1])
+        assert sizes[-1] % block == 0 or (shape.ragged_body and sizes[-1] % block == tail % block)
 
 
 @given(common=st.integers(0, 5000), n=st.integers(0, 5000), shape=st.sampled_from([BLOCKED, ROW_LOCAL]))
@@ -89,10 +92,64 @@ def test_a_request_evaluates_the_tail_or_at_least_min_rows_of_body_too(common, n
         assert (restore_point(common, n), reuse_limit(n), retained_rows(common, n)) == (keep, limit, shape.retained_rows(common, n))
 
 
+def reference_keep(common: int, n: int, stored: int | None, shape: ReuseShape) -> int:
+    """The most of a stored entry a prompt of ``n`` tokens may keep, row by row (a brute-force model).
+
+    A stored row after the entry's last whole block is a gemv row (an entry is cut to a row block unless
+    it holds a whole body, so only a whole body has such rows; ``None``: none is known to be one, so any
+    may be); the prompt's uncached run computes a row by gemv when it is after its own body's last whole
+    block. A kept row must be of the same kind in both, and what is kept the whole body or a row block
+    leaving MIN_ROWS rows of body to evaluate.
+    """
+    body = shape.reuse_limit(n)
+
+    def stored_gemv(p: int) -> bool | None:
+        return None if stored is None else p >= shape.floor(stored)
+
+    def same_kernel(p: int) -> bool:
+        ours = p >= shape.floor(body)
+        return stored_gemv(p) is ours or (stored_gemv(p) is None and not ours)
+
+    exact = next((p for p in range(common) if not same_kernel(p)), common)  # rows before this one match
+    return next((k for k in range(min(exact, body), 0, -1)
+                 if k == body or (k % shape.row_block == 0 and body - k >= MIN_ROWS)), 0)
+
+
+@given(data=st.data(), n=st.integers(0, 600), shape=st.sampled_from([BLOCKED, RAGGED, ROW_LOCAL]))
+def test_restore_points_keep_only_rows_every_run_computes_alike(data, n, shape):
+    stored = data.draw(st.one_of(st.none(), st.integers(0, 700)))
+    common = data.draw(st.integers(0, stored if stored is not None else 700))
+    # a stored entry is a whole body (possibly ragged) or cut to a row block (retained_rows)
+    if stored is not None and stored % shape.row_block and not shape.ragged_body:
+        stored -= stored % shape.row_block
+        common = min(common, stored)
+    keep = shape.restore_point(common, n, stored)
+    assert keep == reference_keep(common, n, stored, shape), (common, n, stored)
+    body = shape.reuse_limit(n)
+    assert shape.retained_rows(n, n) == body  # a whole body is kept whole: the same prompt restores it all
+    if shape is RAGGED and body:
+        assert n - body == TAIL_ROWS
+        assert shape.restore_point(body, n, body) == body  # the same prompt again: its last row only
+
+
+def test_a_ragged_body_comes_whole_only_from_an_entry_whose_body_ends_in_the_same_block():
+    n = 103  # body 102: rows 100 and 101 are gemv rows of the uncached run
+    assert RAGGED.reuse_limit(n) == 102 and RAGGED.retained_rows(n, n) == 102
+    assert RAGGED.restore_point(102, n, 102) == 102  # the same body
+    assert RAGGED.restore_point(102, n, 103) == 102  # a longer prompt's body, ending in the same block
+    assert RAGGED.restore_point(102, n, 104) == 92  # cut to a block: rows 100-101 were gemm rows there
+    assert RAGGED.restore_point(102, n, 130) == 92 and RAGGED.restore_point(102, n, None) == 92
+    assert RAGGED.restore_point(101, n, 101) == 92  # not all of the body is cached
+    assert RAGGED.restore_point(100, 101, 130) == 100  # a body on a block takes whole-block rows from any entry
+    assert BLOCKED.restore_point(102, n, 102) == 100 and ROW_LOCAL.restore_point(102, n, 104) == 102
+
+
 def test_a_prompt_repeated_evaluates_one_to_four_tokens():
     for n in range(9, 40):
         assert 1 <= n - restore_point(n, n) <= ROW_BLOCK
         assert n - ROW_LOCAL.restore_point(n, n) == TAIL_ROWS == 1  # no row block: its last token only
+        # a ragged body, kept whole (retained_rows), serves the same prompt again: its last token only
+        assert n - RAGGED.restore_point(n, n, RAGGED.retained_rows(n, n)) == TAIL_ROWS
 
 
 def test_the_row_local_shape_needs_every_weight_type_known_and_an_x86_cpu_build_without_amx():
@@ -101,9 +158,10 @@ def test_the_row_local_shape_needs_every_weight_type_known_and_an_x86_cpu_build_
     cpu = {"build_flags": {"AVX2", "LLAMAFILE"}, "machine": "x86_64", "on_cpu": True}
     assert reuse_shape(smollm2, **cpu) is ROW_LOCAL
     assert reuse_shape(["F16", "F32"], **cpu) is ROW_LOCAL
-    assert reuse_shape(gemma, **cpu) is BLOCKED  # Q4_K is repacked, Q6_K tiled
-    assert reuse_shape(["Q4_0", "F32"], **cpu) is BLOCKED  # repacked on x86
-    assert reuse_shape(["IQ4_XS"], **cpu) is BLOCKED and reuse_shape([], **cpu) is ROW_LOCAL
+    assert reuse_shape(gemma, **cpu) is RAGGED  # Q4_K is repacked, Q6_K tiled
+    assert reuse_shape(["Q4_0", "F32"], **cpu) is RAGGED  # repacked on x86
+    assert reuse_shape(["IQ4_XS"], **cpu) is RAGGED and reuse_shape([], **cpu) is ROW_LOCAL
+    assert reuse_shape(gemma, **{**cpu, "on_cpu": False}) is BLOCKED
     assert reuse_shape(smollm2, **{**cpu, "build_flags": {"AVX2", "AMX_INT8"}}) is BLOCKED  # AMX kernels: not read
     assert reuse_shape(smollm2, **{**cpu, "machine": "aarch64"}) is BLOCKED  # other repack kernels
     assert reuse_shape(smollm2, **{**cpu, "on_cpu": False}) is BLOCKED  # GPU kernels
@@ -139,7 +197,8 @@ LEDGER = (
 @pytest.mark.parametrize("name, odd_ubatch", [("smollm2", False), ("gemma", False), ("gemma", True)])
 def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_ubatch):
     """On SmolLM2 (Q4_1) and Gemma 3 (Q4_K_M) a cached request's logprobs equal the uncached run's, whichever
-    earlier request left the cache: the same prompt (only its 1-4 token tail is evaluated again), one that
+    earlier request left the cache: the same prompt (only its tail is evaluated again: its last token, 1-4 on a
+    BLOCKED shape), one that
     held the whole question (the tail is then the template's closing tokens) and ones that diverged early or
     late. ``odd_ubatch``: micro-batches
     of a size that is no multiple of ROW_BLOCK, and the uncached prompt's last would be under MIN_ROWS rows."""
@@ -168,4 +227,63 @@ def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_u
             assert warm.usage.cached_input_tokens > 0, earlier
             assert logprob_rows(warm) == logprob_rows(cold), earlier
         # the shape's restore points were taken: off a row block where the model has none (SmolLM2's Q4_1 on x86)
-        assert all(k % shape.row_block == 0 for k in kept) and (shape.row_block == ROW_BLOCK or any(k % ROW_BLOCK for k in kept))
+        # or where a ragged body (Gemma on x86) is restored whole
+        assert all(k % shape.row_block == 0 or (shape.ragged_body and k == shape.reuse_limit(n)) for k in kept)
+        assert shape.row_block == ROW_BLOCK or any(k % ROW_BLOCK for k in kept)
+
+
+def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
+    """Gemma's repacked Q4_K on an x86 CPU (``RAGGED``; elsewhere its shape, whichever): at the engine, with a prefix-cache lease's contexts
+    and prefill calls, a prompt restored from an entry (the body of an earlier prompt: the same one, one
+    token longer or shorter, one with another last token, a longer one) at the shape's restore point gives
+    the uncached run's logits bit for bit on the last prompt row and four greedy steps. Prompt lengths
+    cover every body end modulo the row block, so whole bodies ending off a block are among them."""
+    import numpy as np
+
+    from aner_nb.llm import _engine
+    from aner_nb.llm.prefix_pool import common_prefix_length
+    from aner_nb.llm.requests import context_params
+    from aner_nb.llm.runner import prefill
+
+    with demo("gemma") as model:
+        with model.with_optimizer(prefix_cache_entries=1, threads=2, prefill_threads=2) as lease:
+            shape = lease.reuse_shape
+            params = context_params(lease._weights, lease.profile, swa_full=True, reuses_prefixes=True)
+            native = lease._weights.native
+            base = list(model.prompt_tokens(LEDGER + "Who is the clerk?"))
+            other = list(model.prompt_tokens("The fishing guild asked for a second crane; the quay was repaired."))[1:]
+            ctx, batch = _engine.NativeContext(native, params), _engine.Batch(512)
+
+            def run(tokens: list[int], start: int) -> list[np.ndarray]:
+                prefill(ctx, batch, tokens, start, 0)
+                rows, n = [ctx.logits(batch.n_tokens - 1).copy()], len(tokens)
+                for i in range(4):
+                    batch.clear()
+                    batch.add(int(np.argmax(rows[-1])), n + i, 0, logits=True)
+                    ctx.decode(batch)
+                    rows.append(ctx.logits(0).copy())
+                ctx.seq_rm(0, n, -1)
+                return rows
+
+            try:
+                kinds = set()
+                for cut in range(4):
+                    prompt = base[: len(base) - cut]
+                    body = shape.reuse_limit(len(prompt))
+                    ctx.clear()
+                    cold = run(prompt, 0)
+                    for earlier in (prompt, prompt + other[:1], prompt[:-1], prompt[:-1] + other[:1], prompt + other):
+                        stored = shape.retained_rows(len(earlier), len(earlier))  # the entry: the earlier prompt's body
+                        keep = shape.restore_point(common_prefix_length(earlier[:stored], prompt), len(prompt), stored)
+                        ctx.clear()
+                        run(earlier, 0)
+                        assert ctx.seq_rm(0, keep, -1)
+                        warm = run(prompt, keep)
+                        kinds.add((body % ROW_BLOCK, keep == body))
+                        assert all(np.array_equal(a, b) for a, b in zip(cold, warm)), (len(prompt), len(earlier), keep)
+                # whole bodies off a row block were restored (RAGGED: an x86 CPU build without AMX; elsewhere
+                # Gemma's shape is BLOCKED, whose bodies end on a block)
+                assert {(r, True) for r in range(1, ROW_BLOCK)} <= kinds if shape is RAGGED else {r for r, _ in kinds} == {0}
+            finally:
+                ctx.free()
+                batch.free()

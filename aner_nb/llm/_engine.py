@@ -344,6 +344,9 @@ class NativeModel(_Owner):
         self.free_calls = 0  # counts releases that actually freed the weights (tests use it)
         self.vocab = lib.llama_model_get_vocab(ptr)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self.vocab))
+        # Token attributes never change after load; a prompt's check asks for each of its tokens (a ctypes
+        # call each), so answers are memoised here, at most one per vocabulary entry.
+        self._parsed_special: dict[int, bool] = {}
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(ptr))
         self.n_swa = int(lib.llama_model_n_swa(ptr))
         self.size_bytes = int(lib.llama_model_size(ptr))
@@ -415,8 +418,12 @@ class NativeModel(_Owner):
     def parsed_special(self, token: int) -> bool:
         """Whether text becomes ``token`` only when tokenized with ``parse_special``: llama.cpp's
         tokenizer matches control and unknown tokens (a template's turn markers) only then."""
-        lib = self._lib
-        return bool(lib.llama_vocab_get_attr(self.vocab, token) & (lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN))
+        known = self._parsed_special.get(token)
+        if known is None:
+            lib = self._lib
+            attr = lib.llama_vocab_get_attr(self.vocab, token)
+            known = self._parsed_special[token] = bool(attr & (lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_UNKNOWN))
+        return known
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The raw bytes of one token's piece (may be an incomplete UTF-8 sequence)."""

@@ -56,7 +56,7 @@ def reusable_prefix(cached: Sequence[int], prompt: Sequence[int], shape: ReuseSh
     A fully cached prompt still evaluates its last few tokens; they are not
     counted as cached input.
     """
-    return shape.restore_point(common_prefix_length(cached, prompt), len(prompt))
+    return shape.restore_point(common_prefix_length(cached, prompt), len(prompt), len(cached))
 
 
 @dataclass(frozen=True)

@@ -197,15 +197,15 @@ class PrefixStore:
             disk = [c for c in disk if c[0] == len(c[1]) <= limit]
             queued = [(n, k) for n, k in queued if n == len(k) <= limit]
         # The entry that keeps the most tokens serves; on equal matches RAM, then a queued write, then a file.
-        candidates: list[tuple[int, int, Any]] = [(n, 1, k) for n, k in queued]
-        candidates += [(n, 2, (stored, path)) for n, stored, path in disk]
+        candidates: list[tuple[int, int, int, Any]] = [(n, len(k), 1, k) for n, k in queued]
+        candidates += [(n, len(stored), 2, (stored, path)) for n, stored, path in disk]
         if ram is not None:
-            candidates.append((ram[1], 0, ram[0]))
+            candidates.append((ram[1], len(ram[0]), 0, ram[0]))
         # What each would keep (the match cut to a restore point); a whole-prefix entry only if it keeps all.
-        kept = [(self.shape.restore_point(n, len(prompt)), n, source, what) for n, source, what in candidates]
-        candidates = [(k, source, what) for k, n, source, what in kept if k > floor and (k == n or not self.exact_only)]
-        candidates.sort(key=lambda c: (-c[0], c[1]))
-        for _, source, what in candidates:
+        kept = [(self.shape.restore_point(n, len(prompt), size), n, source, what) for n, size, source, what in candidates]
+        choices = [(k, source, what) for k, n, source, what in kept if k > floor and (k == n or not self.exact_only)]
+        choices.sort(key=lambda c: (-c[0], c[1]))
+        for _, source, what in choices:
             if source == 0:
                 assert self.ram is not None
                 blob = self.ram.get(what)
@@ -266,7 +266,7 @@ class PrefixStore:
             self.stats.skip("tokens", f"a {tier} entry's token ids are not the ones it is stored under")
             return None
         n = len(tokens)
-        keep = self.shape.restore_point(common_length(tokens, prompt), len(prompt))
+        keep = self.shape.restore_point(common_length(tokens, prompt), len(prompt), n)
         if self.exact_only and keep != n:
             self.stats.skip("sliding_window", f"a {tier} entry of {n} tokens would have to be cut to {keep}")
             return None

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
-    "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "ROW_LOCAL_TYPES", "ReuseShape", "BLOCKED", "ROW_LOCAL", "reuse_shape",
+    "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "ROW_LOCAL_TYPES", "ReuseShape", "BLOCKED", "RAGGED", "ROW_LOCAL", "reuse_shape",
     "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
     "reuse_attention",
 ]
@@ -36,8 +36,12 @@ __all__ = [
 # request started from. The prompt's *tail*, its last ``len - reuse_limit(len)`` rows (TAIL_ROWS to
 # TAIL_ROWS + row_block - 1), is always its own micro-batch, in the uncached run too: a request repeating
 # a cached prompt evaluates that same micro-batch over the same KV, so it equals the uncached run without
-# re-evaluating MIN_ROWS rows (RESULTS.md: 1 row on SmolLM2, 1-4 on Gemma, against llama-server's 1).
+# re-evaluating MIN_ROWS rows (RESULTS.md: 1 row on SmolLM2 and on Gemma, against llama-server's 1).
 # The micro-batch the tail costs a request the cache cannot serve is one more pass over the weights.
+# Each tail row costs a pass over the repacked weights too (gemv: 3.7 ms a row on Gemma at 2 threads,
+# AVX2), so on x86 a body may end inside a row block (RAGGED): the rows after its last whole block are
+# the gemv rows at the end of its last micro-batch, in the uncached run as in any restored one, and serve
+# only a prompt whose body ends in that same block; the tail is then its last row alone.
 ROW_BLOCK = 4
 MIN_ROWS = 8
 TAIL_ROWS = 1  # the fewest prompt rows a request evaluates: the last one gives the first token's logits
@@ -56,11 +60,14 @@ class ReuseShape:
 
     ``row_block``: restore points and body micro-batches are whole blocks of
     this many rows (:data:`ROW_BLOCK` where weights are repacked or tiled, 1
-    where every weight type is row-local). The prompt's tail is
-    :data:`TAIL_ROWS` to ``TAIL_ROWS + row_block - 1`` tokens.
+    where every weight type is row-local). ``ragged_body``: a body may end
+    inside a row block, its rows after the last whole block reusable only by a
+    prompt whose body ends in the same block; the tail is then always
+    :data:`TAIL_ROWS` tokens (without it, :data:`TAIL_ROWS` to ``TAIL_ROWS + row_block - 1``).
     """
 
     row_block: int = ROW_BLOCK
+    ragged_body: bool = False
 
     def __post_init__(self) -> None:
         if self.row_block not in (1, ROW_BLOCK):
@@ -70,22 +77,31 @@ class ReuseShape:
         return n - n % self.row_block
 
     def reuse_limit(self, prompt_len: int) -> int:
-        """Where a prompt's tail starts: the most prompt tokens a request may take from cached KV.
+        """Where a prompt's tail starts (its body's end): the most prompt tokens a request may take from cached KV.
 
         0 for a prompt whose body would be shorter than :data:`MIN_ROWS` (its
         rows ran in one small micro-batch).
         """
-        limit = self.floor(max(0, prompt_len - TAIL_ROWS))
+        body = max(0, prompt_len - TAIL_ROWS)
+        limit = body if self.ragged_body else self.floor(body)
         return limit if limit >= MIN_ROWS else 0
 
-    def restore_point(self, common: int, prompt_len: int) -> int:
-        """Where a prompt sharing ``common`` leading tokens with cached KV starts evaluating (the tokens kept).
+    def restore_point(self, common: int, prompt_len: int, stored: int | None = None) -> int:
+        """Where a prompt sharing ``common`` leading tokens with a cached entry of ``stored`` tokens starts evaluating.
 
         The whole body when it is cached, else a row block at least
         :data:`MIN_ROWS` before the tail, so what is left of the body is one or
-        more large micro-batches (see the engine facts above).
+        more large micro-batches (see the engine facts above). On a ragged
+        shape the whole body comes from an entry only when the body ends on a
+        row block or the entry's body ends in the same block (``stored``; None:
+        unknown, so it does not).
         """
         limit = self.reuse_limit(prompt_len)
+        if self.ragged_body and limit % self.row_block:
+            same_end = stored is not None and self.floor(stored) == self.floor(limit)
+            if common >= limit and same_end:
+                return limit
+            return self.floor(max(0, min(common, limit - MIN_ROWS)))
         keep = self.floor(max(0, min(common, limit)))
         return keep if keep == limit else min(keep, max(0, limit - MIN_ROWS))
 
@@ -93,9 +109,14 @@ class ReuseShape:
         """Of ``keep`` leading tokens of an evaluated prompt, how many a later prompt may reuse.
 
         Only body rows: the tail ran in its own small micro-batch, where a
-        longer prompt computes those rows inside its body.
+        longer prompt computes those rows inside its body. A ragged body is
+        kept whole (its last rows serve a prompt whose body ends in the same
+        block, :meth:`restore_point`) or cut to a row block.
         """
-        return self.floor(max(0, min(keep, self.reuse_limit(prompt_len))))
+        limit = self.reuse_limit(prompt_len)
+        if self.ragged_body and keep >= limit:
+            return limit
+        return self.floor(max(0, min(keep, limit)))
 
     def micro_batch_rows(self, n_ubatch: int) -> int:
         """The micro-batch a prefill uses under llama.cpp's ``n_ubatch``: whole row blocks."""
@@ -103,19 +124,21 @@ class ReuseShape:
 
 
 BLOCKED = ReuseShape(ROW_BLOCK)  # every model; the module-level rules below are this shape's
+RAGGED = ReuseShape(ROW_BLOCK, ragged_body=True)  # repacked or tiled weights on an x86 CPU build without AMX
 ROW_LOCAL = ReuseShape(1)
 
 
 def reuse_shape(tensor_types: Iterable[str], *, build_flags: Iterable[str], machine: str, on_cpu: bool) -> ReuseShape:
-    """The shape of a model's weights on this build: :data:`ROW_LOCAL` only where every fact above was read.
+    """The shape of a model's weights on this build: :data:`ROW_LOCAL` or :data:`RAGGED` only where every fact above was read.
 
     That is an x86 CPU build without AMX (AMX kernels tile other types their
-    own way) and weights all of :data:`ROW_LOCAL_TYPES`; anything else, a GPU
+    own way): :data:`ROW_LOCAL` for weights all of :data:`ROW_LOCAL_TYPES`,
+    else :data:`RAGGED` (repack.cpp's gemm/gemv split); anything else, a GPU
     included, gets :data:`BLOCKED`.
     """
     x86 = machine.lower() in ("x86_64", "amd64")
-    if on_cpu and x86 and "AMX_INT8" not in set(build_flags) and set(tensor_types) <= ROW_LOCAL_TYPES:
-        return ROW_LOCAL
+    if on_cpu and x86 and "AMX_INT8" not in set(build_flags):
+        return ROW_LOCAL if set(tensor_types) <= ROW_LOCAL_TYPES else RAGGED
     return BLOCKED
 
 
