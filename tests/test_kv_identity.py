@@ -503,3 +503,30 @@ def test_engine_build_names_the_binding_and_ggml() -> None:
     build = _engine.engine_build()
     assert build.startswith(f"llama-cpp-python {llama_cpp.__version__}; version ") and "; commit " in build
     assert "?" not in build and _engine.engine_build() is build
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=40),
+    payload=st.binary(min_size=1, max_size=3000),
+    short=st.integers(0, 1200),
+)
+def test_pack_in_place_writes_the_bytes_pack_writes(tokens, payload, short):
+    """The in-place packer (one buffer, the state copied straight into it) against ``pack``, the oracle,
+    including a copy that writes fewer bytes than it was given room for (a payload size with fewer digits)."""
+    def fill(view: memoryview) -> int:
+        view[: len(payload)] = payload
+        return len(payload)
+
+    size = len(payload) + short  # llama.cpp's size may exceed what it then copies
+    blob = kv_identity.pack_in_place(IDENTITY, tokens, size, fill)
+    assert isinstance(blob, bytearray) and bytes(blob) == pack(IDENTITY, tokens, payload)
+    assert unpack(blob, IDENTITY) == (tuple(tokens), memoryview(payload))
+
+
+def test_pack_in_place_refuses_a_copy_of_nothing_or_too_much():
+    with pytest.raises(ValueError, match="wrote 0 of 8"):
+        kv_identity.pack_in_place(IDENTITY, [1], 8, lambda view: 0)
+    with pytest.raises(ValueError, match="wrote 9 of 8"):
+        kv_identity.pack_in_place(IDENTITY, [1], 8, lambda view: 9)
+    with pytest.raises(ValueError, match="exceed"):
+        kv_identity.pack_in_place(IDENTITY, [1] * (kv_identity.MAX_TOKENS + 1), 8, lambda view: 8)

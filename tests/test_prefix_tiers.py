@@ -240,6 +240,43 @@ def test_a_prefix_still_queued_for_disk_is_served_from_the_queue(base, cold, tmp
     assert len(list(tmp_path.glob("*.kv"))) >= 2 and not list(tmp_path.glob("*.tmp"))  # close waited for the writes
 
 
+def test_an_entry_demoted_while_its_write_through_is_queued_is_not_serialised_again(base, cold, tmp_path, monkeypatch):
+    """The RAM tier takes the queued write's bytes (the same prefix, the same KV): one state copy per
+    retained prompt, not one more when the pool evicts it; the restore from RAM still equals the cold run."""
+    import threading
+
+    from aner_nb.llm import _engine
+
+    release = threading.Event()
+    real_write, real_copy = kv_identity.write_atomic, _engine.NativeContext.seq_state_copy
+    copies = []
+
+    def slow_disk(path, data):
+        assert release.wait(120)
+        real_write(path, data)
+
+    def counted(self, seq, into):
+        copies.append(seq)
+        return real_copy(self, seq, into)
+
+    monkeypatch.setattr(kv_identity, "write_atomic", slow_disk)
+    monkeypatch.setattr(_engine.NativeContext, "seq_state_copy", counted)
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_ram_bytes=1 << 30, prefix_cache_dir=tmp_path) as fast:
+        store = fast._state.pool.store
+        try:
+            ask(fast, QUESTIONS[0])
+            (kept,) = fast._state.pool.retained_tokens()
+            assert len(copies) == 1 and store.writer.pending(kept) is not None
+            fast.generate("Something else entirely, with no shared evidence at all.", max_tokens=4)  # evicts
+            assert len(copies) == 2  # the new prompt's own write-through only
+            assert store.ram.get(kept) is store.writer.pending(kept)
+            again = ask(fast, QUESTIONS[1])
+            assert again.tokens == cold[QUESTIONS[1]] and again.timings.prefix_cache_tier == TIER_CODES["ram"]
+        finally:
+            release.set()
+        assert store.flush(timeout=60)
+
+
 # -- faults: every request equals the cold run, nothing wrong is restored, each case is counted ------
 def fill(base, directory: Path, question: str = QUESTIONS[0]) -> Path:
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=directory) as writer:

@@ -572,18 +572,32 @@ class NativeContext(_Owner):
         must not treat it as the whole prefix (see ``kv_identity``). Raises
         ``EngineError`` when llama.cpp reports no state or a short copy.
         """
-        lib, ptr = self._lib, self.ptr
-        size = int(lib.llama_state_seq_get_size(ptr, seq))
-        if size <= 0:
-            raise EngineError(f"llama.cpp reported no state for sequence {seq}")
-        out = bytearray(size)  # llama.cpp copies straight into it: one copy of the KV, not two
-        view = (ctypes.c_uint8 * size).from_buffer(out)
-        written = int(lib.llama_state_seq_get_data(ptr, view, size, seq))
-        del view  # release the export before the bytearray may be resized
-        if written <= 0 or written > size:
-            raise EngineError(f"llama_state_seq_get_data copied {written} of {size} bytes for sequence {seq}")
+        out = bytearray(self.seq_state_size(seq))  # llama.cpp copies straight into it: one copy of the KV, not two
+        written = self.seq_state_copy(seq, memoryview(out))
         del out[written:]
         return out
+
+    def seq_state_size(self, seq: int) -> int:
+        """The bytes :meth:`seq_state_copy` needs for sequence ``seq`` (``EngineError`` when there is no state)."""
+        size = int(self._lib.llama_state_seq_get_size(self.ptr, seq))
+        if size <= 0:
+            raise EngineError(f"llama.cpp reported no state for sequence {seq}")
+        return size
+
+    def seq_state_copy(self, seq: int, into: memoryview) -> int:
+        """Copy sequence ``seq``'s state into the writable buffer ``into``; the bytes written.
+
+        ``EngineError`` when llama.cpp copies nothing or reports more than ``into`` holds.
+        """
+        size = len(into)
+        view = (ctypes.c_uint8 * size).from_buffer(into)
+        try:
+            written = int(self._lib.llama_state_seq_get_data(self.ptr, view, size, seq))
+        finally:
+            del view  # release the export: the caller may resize or release the buffer
+        if written <= 0 or written > size:
+            raise EngineError(f"llama_state_seq_get_data copied {written} of {size} bytes for sequence {seq}")
+        return written
 
     def seq_state_load(self, seq: int, data: bytes) -> int:
         """Load ``data`` (from ``seq_state_bytes`` on a context of the same identity) into ``seq``.

@@ -44,6 +44,7 @@ import xxhash
 from .errors import StateMismatchError
 
 __all__ = [
+    "pack_in_place",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_HEADER_BYTES",
@@ -254,31 +255,73 @@ def pack(identity: KVIdentity, tokens: Sequence[int], payload: bytes, *, meta: A
     ``meta`` is any JSON value (a saved conversation's history). Sizes above the caps
     raise ``ValueError``: the writer never produces a file the reader would refuse.
     """
+    token_bytes, meta_bytes = _body_parts(tokens, len(payload), meta)
+    digest = _body_digest(FORMAT_VERSION, token_bytes, meta_bytes, payload)
+    front = _front(identity, len(tokens), meta_bytes, len(payload), digest)
+    return b"".join((front, token_bytes, meta_bytes, payload))
+
+
+def pack_in_place(
+    identity: KVIdentity, tokens: Sequence[int], size: int, fill: Callable[[memoryview], int]
+) -> bytearray:
+    """:func:`pack`'s bytes for a payload of ``size`` bytes that ``fill`` writes straight into them.
+
+    ``fill(view)`` copies the payload into ``view`` and returns the bytes it
+    wrote (llama.cpp's state copy): one allocation and one copy of a state of
+    tens of megabytes instead of three (measured 60 ms a save on SmolLM2's 39 MB
+    at 2 vCPUs, mostly page faults on new buffers). A short copy is packed at
+    the size written.
+    """
+    token_bytes, meta_bytes = _body_parts(tokens, size, None)
+    placeholder = "0" * _BODY_DIGESTS[FORMAT_VERSION][2]  # a hex digest's length is fixed: so is the front's
+    start = len(_front(identity, len(tokens), meta_bytes, size, placeholder)) + len(token_bytes)
+    out = bytearray(start + size)
+    view = memoryview(out)
+    try:
+        written = fill(view[start:])
+        if not 0 < written <= size:
+            raise ValueError(f"the state copy wrote {written} of {size} bytes")
+        payload = view[start : start + written]
+        front = _front(identity, len(tokens), meta_bytes, written, _body_digest(FORMAT_VERSION, token_bytes, b"", payload))
+        if len(front) + len(token_bytes) != start:  # the size declared changed the header's length
+            return bytearray(pack(identity, tokens, bytes(payload)))
+        view[: len(front)] = front
+        view[len(front) : start] = token_bytes
+    finally:
+        view.release()
+    del out[start + written :]
+    return out
+
+
+def _body_parts(tokens: Sequence[int], payload_bytes: int, meta: Any) -> tuple[bytes, bytes]:
+    """The token and metadata bytes of a state file, checked against the caps (``ValueError``)."""
     if len(tokens) > MAX_TOKENS:
         raise ValueError(f"{len(tokens)} tokens exceed the state file cap of {MAX_TOKENS}")
-    if len(payload) > DEFAULT_MAX_PAYLOAD_BYTES:
-        raise ValueError(f"a {len(payload)}-byte payload exceeds the cap of {DEFAULT_MAX_PAYLOAD_BYTES}")
-    token_bytes = _tokens_bytes(tokens)
+    if payload_bytes > DEFAULT_MAX_PAYLOAD_BYTES:
+        raise ValueError(f"a {payload_bytes}-byte payload exceeds the cap of {DEFAULT_MAX_PAYLOAD_BYTES}")
     meta_bytes = b"" if meta is None else json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode()
     if len(meta_bytes) > MAX_META_BYTES:
         raise ValueError(f"{len(meta_bytes)} bytes of metadata exceed the cap of {MAX_META_BYTES}")
+    return _tokens_bytes(tokens), meta_bytes
+
+
+def _front(identity: KVIdentity, n_tokens: int, meta_bytes: bytes, payload_bytes: int, digest: str) -> bytes:
+    """Magic, header length, the JSON header and its SHA-256: everything before the tokens."""
     header = json.dumps(
         {
             "format": FORMAT_VERSION,
             "identity": identity.to_json(),
-            "n_tokens": len(tokens),
+            "n_tokens": n_tokens,
             "meta_bytes": len(meta_bytes),
-            "payload_bytes": len(payload),
-            _BODY_DIGESTS[FORMAT_VERSION][0]: _body_digest(FORMAT_VERSION, token_bytes, meta_bytes, payload),
+            "payload_bytes": payload_bytes,
+            _BODY_DIGESTS[FORMAT_VERSION][0]: digest,
         },
         separators=(",", ":"),
         sort_keys=True,
     ).encode()
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(f"a {len(header)}-byte header exceeds the cap of {MAX_HEADER_BYTES}")
-    return b"".join(
-        (_PREFIX.pack(MAGIC, len(header)), header, hashlib.sha256(header).digest(), token_bytes, meta_bytes, payload)
-    )
+    return b"".join((_PREFIX.pack(MAGIC, len(header)), header, hashlib.sha256(header).digest()))
 
 
 def _body_digest(

@@ -124,7 +124,14 @@ class PrefixStore:
             if ctx.seq_pos_max(seq) != len(tokens) - 1:
                 self.stats.skip("load_failed", "the sequence does not hold exactly the prefix to save")
                 return 0
-            blob = kv_identity.pack(self.identity(ctx), tokens, ctx.seq_state_bytes(seq))
+            # A write-through's bytes not on disk yet hold this very prefix (same identity, same tokens: the
+            # same KV, which is what makes reuse exact): an entry demoted soon after it was retained is not
+            # serialised twice.
+            blob = self.writer.pending(tokens) if self.writer is not None else None
+            if blob is None:
+                blob = kv_identity.pack_in_place(
+                    self.identity(ctx), tokens, ctx.seq_state_size(seq), lambda view: ctx.seq_state_copy(seq, view)
+                )
         except (LLMError, ValueError) as exc:
             self.stats.skip("save_failed", str(exc))
             return 0
