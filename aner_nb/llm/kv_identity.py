@@ -276,20 +276,19 @@ def pack_in_place(
     placeholder = "0" * _BODY_DIGESTS[FORMAT_VERSION][2]  # a hex digest's length is fixed: so is the front's
     start = len(_front(identity, len(tokens), meta_bytes, size, placeholder)) + len(token_bytes)
     out = bytearray(start + size)
-    view = memoryview(out)
-    try:
-        written = fill(view[start:])
+    with memoryview(out) as view:
+        with view[start:] as room:
+            written = fill(room)
         if not 0 < written <= size:
             raise ValueError(f"the state copy wrote {written} of {size} bytes")
-        payload = view[start : start + written]
-        front = _front(identity, len(tokens), meta_bytes, written, _body_digest(FORMAT_VERSION, token_bytes, b"", payload))
-        if len(front) + len(token_bytes) != start:  # the size declared changed the header's length
-            return bytearray(pack(identity, tokens, bytes(payload)))
+        with view[start : start + written] as payload:
+            digest = _body_digest(FORMAT_VERSION, token_bytes, b"", payload)
+            front = _front(identity, len(tokens), meta_bytes, written, digest)
+            if len(front) + len(token_bytes) != start:  # the size written changed the header's length
+                return bytearray(pack(identity, tokens, bytes(payload)))
         view[: len(front)] = front
         view[len(front) : start] = token_bytes
-    finally:
-        view.release()
-    del out[start + written :]
+    del out[start + written :]  # no view is left: the buffer may shrink
     return out
 
 
