@@ -72,3 +72,18 @@ def test_choice_never_keeps_more_than_the_prompt_allows(entries, prompt, trivial
         assert choice.keep % ROW_BLOCK == 0 and 0 <= choice.keep <= max(0, len(prompt) - TAIL_ROWS)
     else:
         assert choice.keep == 0
+
+
+@given(
+    a=st.lists(st.integers(0, 5), max_size=300),
+    b=st.lists(st.integers(0, 5), max_size=300),
+    shared=st.integers(0, 3000),
+)
+def test_common_prefix_length_equals_a_scan(a, b, shared):
+    """The slice-halving comparison against the plain loop it replaced (the oracle), on short alphabets
+    (differences anywhere) after a shared run of up to 3,000 tokens, lists against tuples."""
+    run = [7] * shared
+    x, y = run + a, tuple(run + b)
+    n = min(len(x), len(y))
+    expected = next((i for i in range(n) if x[i] != y[i]), n)
+    assert common_prefix_length(x, y) == common_prefix_length(y, x) == expected

@@ -182,6 +182,39 @@ def test_a_short_match_keeps_the_long_entry_in_ram_before_cutting_it(base, cold)
         assert again.timings.prefix_restored_tokens > short.usage.cached_input_tokens + 64
 
 
+def test_a_stored_entry_must_save_min_restore_gain_tokens_over_the_live_one(base):
+    """Loading an entry copies its whole state: against a live context that keeps part of the prompt, a
+    stored entry serves only when it keeps at least MIN_RESTORE_GAIN tokens more; the answer is the same
+    either way (both are exact)."""
+    from aner_nb.llm.prefix_pool import common_prefix_length
+    from aner_nb.llm.prefix_store import MIN_RESTORE_GAIN
+
+    head = "Shared header for every topic.\n"
+    stored = head + LONG + "\n" + QUESTIONS[0]
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_ram_bytes=64 << 20) as fast:
+        shape = fast.reuse_shape
+        fast.generate(stored, max_tokens=4)
+        fast.generate(head + "A different, much shorter topic.", max_tokens=4)  # the long entry goes to RAM
+        kept = fast._state.pool.retained_tokens()[-1]
+        entry = fast._state.pool.store.ram.best(base.prompt_tokens(stored), min_common=1)[0]
+        words = LONG.split()
+        tiers = set()
+        for n_words in (1, 2, 3, 4, 6, 9, 14, 20, 30):
+            prompt = head + " ".join(words[:n_words]) + " Something unrelated follows."
+            tokens = base.prompt_tokens(prompt)
+            live = shape.restore_point(common_prefix_length(kept, tokens), len(tokens), len(kept))
+            ram = shape.restore_point(common_prefix_length(entry, tokens), len(tokens), len(entry))
+            with base.with_optimizer(prefix_cache_entries=1) as plain:
+                want = plain.generate(prompt, max_tokens=4).tokens
+            r = fast.generate(prompt, max_tokens=4)
+            assert r.tokens == want
+            tier = "ram" if ram >= live + MIN_RESTORE_GAIN else "live"
+            assert r.timings.prefix_cache_tier == TIER_CODES[tier], (n_words, live, ram)
+            tiers.add(tier)
+            kept = fast._state.pool.retained_tokens()[-1]  # this prompt is the live entry now
+        assert tiers == {"live", "ram"}
+
+
 def test_tiers_off_leave_the_fields_unmeasured(base):
     with base.with_optimizer(prefix_cache_entries=1) as fast:
         t = ask(fast, QUESTIONS[0]).timings

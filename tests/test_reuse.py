@@ -226,14 +226,14 @@ def test_demo_models_reuse_bitwise_exactly_after_any_earlier_request(name, odd_u
             kept.add(warm.usage.cached_input_tokens)
             assert warm.usage.cached_input_tokens > 0, earlier
             assert logprob_rows(warm) == logprob_rows(cold), earlier
-        # the shape's restore points were taken: off a row block where the model has none (SmolLM2's Q4_1 on x86)
-        # or where a ragged body (Gemma on x86) is restored whole
+        # the shape's restore points were taken: off a row block where the model has none (SmolLM2's Q4_1 on x86),
+        # where a ragged body is restored whole, else on whole blocks (Gemma's: the softmax's lanes)
         assert all(k % shape.row_block == 0 or (shape.ragged_body and k == shape.reuse_limit(n)) for k in kept)
-        assert shape.row_block == ROW_BLOCK or any(k % ROW_BLOCK for k in kept)
+        assert shape.row_block > 1 or any(k % ROW_BLOCK for k in kept)
 
 
 def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
-    """Gemma's repacked Q4_K on an x86 CPU (``RAGGED``; elsewhere its shape, whichever): at the engine, with a prefix-cache lease's contexts
+    """Gemma's repacked Q4_K on an x86 CPU (``RAGGED``; elsewhere its weights' shape, whichever), live KV: at the engine, with a prefix-cache lease's contexts
     and prefill calls, a prompt restored from an entry (the body of an earlier prompt: the same one, one
     token longer or shorter, one with another last token, a longer one) at the shape's restore point gives
     the uncached run's logits bit for bit on the last prompt row and four greedy steps. Prompt lengths
@@ -245,10 +245,16 @@ def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
     from aner_nb.llm.requests import context_params
     from aner_nb.llm.runner import prefill
 
+    import dataclasses
+
     with demo("gemma") as model:
         with model.with_optimizer(prefix_cache_entries=1, threads=2, prefill_threads=2) as lease:
-            shape = lease.reuse_shape
-            params = context_params(lease._weights, lease.profile, swa_full=True, reuses_prefixes=True)
+            # the weights' own shape (a lease of this sliding-window model aligns it to the softmax's lanes
+            # for restored states, reuse.for_restored_windows; live KV, as here, keeps every cell in place)
+            shape = lease._weights.reuse_shape
+            params = dataclasses.replace(
+                context_params(lease._weights, lease.profile, swa_full=True, reuses_prefixes=True), prefix_reuse=shape
+            )
             native = lease._weights.native
             base = list(model.prompt_tokens(LEDGER + "Who is the clerk?"))
             other = list(model.prompt_tokens("The fishing guild asked for a second crane; the quay was repaired."))[1:]
@@ -287,3 +293,38 @@ def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
             finally:
                 ctx.free()
                 batch.free()
+
+
+def test_gemma_prefixes_restored_from_saved_states_equal_the_uncached_run():
+    """A sliding-window model's prefix from the RAM tier (a saved state: only the window's cells, loaded
+    into the context's first cells) gives the uncached run's logprobs bit for bit, for prompts longer than
+    the window whose lengths cover every residue of the softmax's lanes: the tier's shape puts restore
+    points on whole blocks of them (``reuse.for_restored_windows``)."""
+    from aner_nb.llm import _engine
+    import platform
+
+    from aner_nb.llm.reuse import for_restored_windows, softmax_lanes
+
+    prompt = LEDGER * 4 + "Who is the clerk?"
+    with demo("gemma") as model:
+        tiered = dict(prefix_cache_entries=1, threads=2, prefill_threads=2, prefix_cache_ram_bytes=256 << 20)
+        with model.with_optimizer(**tiered) as probe, model.with_optimizer(prefix_cache_entries=1) as untiered:
+            lanes = softmax_lanes(_engine.build_flags(), machine=platform.machine(), on_cpu=True)
+            assert probe.reuse_shape == untiered.reuse_shape == for_restored_windows(probe._weights.reuse_shape, lanes)
+            assert probe.reuse_shape.row_block == max(lanes, ROW_BLOCK) and not probe.reuse_shape.ragged_body
+        seen = set()
+        for cut in range(lanes + 1):
+            text = prompt + " Say" + " yes" * cut  # one more token each
+            n = len(model.prompt_tokens(text))
+            assert n > model._weights.native.n_swa + 2 * lanes
+            with model.with_optimizer(prefix_cache_entries=1, threads=2, prefill_threads=2) as cold_lease:
+                cold = cold_lease.generate(text, max_tokens=6, logprobs=True, top_logprobs=3)
+            with model.with_optimizer(**tiered) as lease:
+                lease.generate(text, max_tokens=2)
+                lease.generate("An unrelated short question?", max_tokens=2)  # the long entry goes to RAM
+                warm = lease.generate(text, max_tokens=6, logprobs=True, top_logprobs=3)
+            assert warm.timings.prefix_cache_tier == llm.prefix_tiers.TIER_CODES["ram"], cut
+            assert warm.usage.cached_input_tokens == lease.reuse_shape.reuse_limit(n)
+            assert logprob_rows(warm) == logprob_rows(cold), (cut, n)
+            seen.add((n - 1) % lanes)
+        assert len(seen) == lanes  # prompts end at every residue of the lanes

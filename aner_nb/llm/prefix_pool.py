@@ -26,7 +26,7 @@ from ._engine import ContextParams, NativeModel
 from .context_pool import Acquired, ContextSlot, free_all, new_slot
 from .errors import LLMError
 from .prefix_store import PrefixStore
-from .prefix_tiers import TIER_CODES
+from .prefix_tiers import TIER_CODES, common_length
 from .reuse import BLOCKED, ReuseShape
 from .timings import PoolTimings, PrefixCacheTimings, PrefixTierTimings, TimingsPart
 
@@ -41,13 +41,7 @@ __all__ = [
 ]
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading positions where two token sequences are identical."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+common_prefix_length = common_length  # the pool's name for it (shared_prefix, tests, notebooks)
 
 
 def reusable_prefix(cached: Sequence[int], prompt: Sequence[int], shape: ReuseShape = BLOCKED) -> int:

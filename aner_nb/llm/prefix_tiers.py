@@ -129,12 +129,25 @@ def longest_stored_prefix(
 
 
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading positions where two token sequences are identical."""
+    """Leading positions where two token sequences are identical.
+
+    Every request compares its prompt with each held and stored prefix
+    (thousands of tokens, dozens of entries), so the comparison is done by
+    tuple slices, which run in C, halving the range that differs, instead of a
+    Python loop per token.
+    """
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    x, y = tuple(a[:n]), tuple(b[:n])
+    if x == y:
+        return n
+    lo, hi = 0, n  # x[:lo] == y[:lo]; the first difference is in [lo, hi)
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if x[lo:mid] == y[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return next(i for i in range(lo, hi) if x[i] != y[i])
 
 
 def best_stored(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ROW_BLOCK", "MIN_ROWS", "TAIL_ROWS", "ROW_LOCAL_TYPES", "ReuseShape", "BLOCKED", "RAGGED", "ROW_LOCAL", "reuse_shape",
+    "softmax_lanes", "for_restored_windows",
     "reuse_limit", "restore_point", "retained_rows", "conversation_keep", "micro_batch_rows",
     "reuse_attention",
 ]
@@ -36,7 +37,8 @@ __all__ = [
 # request started from. The prompt's *tail*, its last ``len - reuse_limit(len)`` rows (TAIL_ROWS to
 # TAIL_ROWS + row_block - 1), is always its own micro-batch, in the uncached run too: a request repeating
 # a cached prompt evaluates that same micro-batch over the same KV, so it equals the uncached run without
-# re-evaluating MIN_ROWS rows (RESULTS.md: 1 row on SmolLM2 and on Gemma, against llama-server's 1).
+# re-evaluating MIN_ROWS rows (RESULTS.md: 1 row on SmolLM2, 1-8 on Gemma with AVX2, for_restored_windows,
+# against llama-server's 1).
 # The micro-batch the tail costs a request the cache cannot serve is one more pass over the weights.
 # Each tail row costs a pass over the repacked weights too (gemv: 3.7 ms a row on Gemma at 2 threads,
 # AVX2), so on x86 a body may end inside a row block (RAGGED): the rows after its last whole block are
@@ -52,6 +54,9 @@ TAIL_ROWS = 1  # the fewest prompt rows a request evaluates: the last one gives 
 # K-quants and IQ types). A model made only of these needs no row block (SmolLM2 Q4_1 measured exact at
 # restore points off a row block, RESULTS.md).
 ROW_LOCAL_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_1", "Q5_0", "Q5_1"})
+
+
+ROW_BLOCKS = (1, ROW_BLOCK, 8, 16)  # 8 and 16: a sliding-window model's restored states (for_restored_windows)
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,8 @@ class ReuseShape:
     ragged_body: bool = False
 
     def __post_init__(self) -> None:
-        if self.row_block not in (1, ROW_BLOCK):
-            raise ValueError(f"row_block must be 1 or {ROW_BLOCK}, got {self.row_block}")
+        if self.row_block not in ROW_BLOCKS:
+            raise ValueError(f"row_block must be one of {ROW_BLOCKS}, got {self.row_block}")
 
     def floor(self, n: int) -> int:
         return n - n % self.row_block
@@ -140,6 +145,36 @@ def reuse_shape(tensor_types: Iterable[str], *, build_flags: Iterable[str], mach
     if on_cpu and x86 and "AMX_INT8" not in set(build_flags):
         return ROW_LOCAL if set(tensor_types) <= ROW_LOCAL_TYPES else RAGGED
     return BLOCKED
+
+
+def softmax_lanes(build_flags: Iterable[str], *, machine: str, on_cpu: bool) -> int:
+    """How many attention scores the CPU's softmax sums per vector (``ggml_vec_soft_max_f32``): 8 with AVX2,
+    16 with AVX-512, and 16 where it was not read (another architecture, a GPU)."""
+    flags = set(build_flags)
+    if on_cpu and machine.lower() in ("x86_64", "amd64"):
+        if "AVX512" in flags or "AVX512F" in flags:
+            return 16
+        if "AVX2" in flags:
+            return 8
+    return 16
+
+
+def for_restored_windows(shape: ReuseShape, lanes: int) -> ReuseShape:
+    """The shape of a sliding-window model whose prefixes are restored from saved states (RAM / disk tiers).
+
+    Engine fact (llama.cpp's per-sequence state, ``llama-kv-cache.cpp``; measured on Gemma 3 with AVX2,
+    ``tests/test_reuse.py``): a saved state keeps only the sliding-window cells its last position still
+    sees, and a load puts them in the context's first cells, so after a restore of ``n`` positions the
+    window layers hold position ``p`` in cell ``p - (n - n_swa)``, not ``p``. The softmax over a row of
+    cells sums ``lanes`` scores per vector from cell 0, so a restored request rounds as the uncached run
+    only where ``n - n_swa`` is a multiple of ``lanes``: with ``n_swa`` a multiple of it too (Gemma: 512),
+    where ``n`` is. So every restore point, and the tail's start, is a whole block of ``lanes`` rows (the
+    tail is 1 to ``lanes`` tokens). A lease uses it with or without tiers: the uncached run's calls are
+    the shape's, and a lease with tiers must answer as one without.
+    """
+    if lanes <= shape.row_block and not shape.ragged_body:
+        return shape
+    return ReuseShape(max(shape.row_block, lanes))
 
 
 reuse_limit = BLOCKED.reuse_limit
