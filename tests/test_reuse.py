@@ -169,6 +169,21 @@ def test_the_row_local_shape_needs_every_weight_type_known_and_an_x86_cpu_build_
         ReuseShape(2)
 
 
+def test_sliding_window_shapes_take_whole_blocks_of_the_softmax_lanes():
+    from aner_nb.llm.reuse import for_restored_windows, softmax_lanes
+
+    x86 = {"machine": "x86_64", "on_cpu": True}
+    assert softmax_lanes({"AVX", "AVX2", "FMA"}, **x86) == 8
+    assert softmax_lanes({"AVX2", "AVX512", "AVX512_VBMI"}, **x86) == 16
+    assert softmax_lanes({"NEON"}, machine="aarch64", on_cpu=True) == 16  # not read there: the widest
+    assert softmax_lanes({"AVX2"}, machine="x86_64", on_cpu=False) == 16
+    assert for_restored_windows(RAGGED, 8) == ReuseShape(8) == for_restored_windows(ROW_LOCAL, 8)
+    assert for_restored_windows(BLOCKED, 16) == ReuseShape(16) and for_restored_windows(ReuseShape(16), 8) == ReuseShape(16)
+    shape = ReuseShape(8)  # Gemma with AVX2: restore points and the tail's start on multiples of 8
+    assert shape.reuse_limit(1662) == 1656 and shape.restore_point(1661, 1662, 1661) == 1656
+    assert shape.restore_point(1000, 1662) == 1000 and shape.restore_point(1003, 1662) == 1000
+
+
 def test_reuse_attention_turns_auto_off_on_a_cpu_only():
     assert reuse_attention("auto", kv_cache_type="f16", on_cpu=True) == "off"
     assert reuse_attention("on", kv_cache_type="f16", on_cpu=True) == "on"  # asked for: kept
