@@ -202,9 +202,11 @@ def test_n_streamed_choices_carry_their_index(which, solo_server, batch_server):
     whole = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=60).json()
     assert [texts[i] for i in range(3)] == [c["message"]["content"] for c in whole["choices"]]
     # Concurrent choices share steps whose make-up depends on timing, and rows of different steps round
-    # differently in the CPU kernels (test_logprobs.py): equal to rounding, the same tokens.
+    # differently in the CPU kernels (test_logprobs.py): the same tokens, logprobs equal to rounding that
+    # grows along the answer (seen: 1.2e-3 by the 8th token on an AVX2 EPYC, at b4cc6d2 too). A choice's
+    # scores streamed under another index would differ by whole units.
     for i, choice in enumerate(whole["choices"]):
-        assert scores[i] == pytest.approx([t["logprob"] for t in choice["logprobs"]["content"]], abs=1e-3)
+        assert scores[i] == pytest.approx([t["logprob"] for t in choice["logprobs"]["content"]], abs=1e-2)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
 
 
