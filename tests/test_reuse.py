@@ -261,12 +261,14 @@ def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
     from aner_nb.llm.runner import prefill
 
     import dataclasses
+    import platform
 
     with demo("gemma") as model:
         with model.with_optimizer(prefix_cache_entries=1, threads=2, prefill_threads=2) as lease:
             # the weights' own shape (a lease of this sliding-window model aligns it to the softmax's lanes
             # for restored states, reuse.for_restored_windows; live KV, as here, keeps every cell in place)
-            shape = lease._weights.reuse_shape
+            shape = reuse_shape((t for _, t in model.facts.tensor_types), build_flags=_engine.build_flags(),
+                                machine=platform.machine(), on_cpu=True)
             params = dataclasses.replace(
                 context_params(lease._weights, lease.profile, swa_full=True, reuses_prefixes=True), prefix_reuse=shape
             )

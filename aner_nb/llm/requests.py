@@ -17,18 +17,17 @@ every lease kind derives them by the same rule.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ._engine import ContextParams, build_flags, default_threads
+from ._engine import ContextParams, default_threads
 from .prefix_pool import common_prefix_length
 from .chat import locate_contents, template_layout, validate_messages
 from .errors import ConfigurationError, ContextOverflowError, InvalidRequestError
 from .options import REGISTRY, Registry, RequestSettings
 from .profiles import Profile
-from .reuse import BLOCKED, ReuseShape, for_restored_windows, reuse_attention, softmax_lanes
+from .reuse import BLOCKED, reuse_attention
 from .runner import Job
 from .sampling import request_grammar
 from .chat_input import chat_input
@@ -324,20 +323,9 @@ def context_params(
         kv_unified=kv_unified,
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
-        prefix_reuse=_prefix_reuse(weights, profile, adapter) if reuses_prefixes else None,
+        # an adapter's weights are not among the facts the model's own shape was read from
+        prefix_reuse=(weights.reuse_shape if adapter is None else BLOCKED) if reuses_prefixes else None,
     )
-
-
-def _prefix_reuse(weights: "SharedWeights", profile: Profile, adapter: "SharedAdapter | None") -> ReuseShape:
-    """The reuse shape of a prefix-cache lease's contexts: the weights' own (an adapter's weights are not among
-    the facts it was read from: ``BLOCKED``), aligned to the softmax's lanes on a sliding-window model, whose
-    prefixes may come back from saved states (``reuse.for_restored_windows``). With or without tiers: the
-    shape decides the uncached run's calls too, and a lease with tiers must answer as one without."""
-    shape = weights.reuse_shape if adapter is None else BLOCKED
-    if int(getattr(weights.native, "n_swa", 0) or 0) > 0:
-        lanes = softmax_lanes(build_flags(), machine=platform.machine(), on_cpu=weights.device == "cpu")
-        shape = for_restored_windows(shape, lanes)
-    return shape
 
 
 def template_opening(weights: "SharedWeights") -> int:

@@ -15,7 +15,7 @@ from ._engine import NativeModel, build_flags
 from .artifact import ModelFacts
 from .chat import ChatTemplate
 from .profiles import LoadSettings
-from .reuse import ReuseShape, reuse_shape
+from .reuse import ReuseShape, for_restored_windows, reuse_shape, softmax_lanes
 
 __all__ = ["LoadSummary", "SharedWeights"]
 
@@ -73,10 +73,16 @@ class SharedWeights:
 
     @property
     def reuse_shape(self) -> ReuseShape:
-        """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`)."""
+        """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`),
+        aligned to the softmax's lanes on a sliding-window model, whose prefixes may come back from saved
+        states (:func:`~aner_nb.llm.reuse.for_restored_windows`): every prefix-cache lease's, tiers or not."""
         if self._reuse_shape is None:
             types = (t for _, t in self.facts.tensor_types)
-            self._reuse_shape = reuse_shape(types, build_flags=build_flags(), machine=platform.machine(), on_cpu=self.device == "cpu")
+            flags, machine, on_cpu = build_flags(), platform.machine(), self.device == "cpu"
+            shape = reuse_shape(types, build_flags=flags, machine=machine, on_cpu=on_cpu)
+            if int(getattr(self.native, "n_swa", 0) or 0) > 0:
+                shape = for_restored_windows(shape, softmax_lanes(flags, machine=machine, on_cpu=on_cpu))
+            self._reuse_shape = shape
         return self._reuse_shape
 
     @property
