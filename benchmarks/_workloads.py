@@ -101,3 +101,66 @@ def shared_workload(lease, clients: int, questions: int, system_tokens: int, see
          for q in range(questions)]
         for c in range(clients)
     ]
+
+
+# -- speculation (bench_lookup): six tasks, written once, not tuned on any model's output ------------------
+
+CODE = '''def summarize_orders(orders, region):
+    """Total, count and largest order of one region."""
+    total = 0
+    count = 0
+    largest = None
+    for order in orders:
+        if order["region"] != region:
+            continue
+        amount = order["quantity"] * order["unit_price"]
+        total += amount
+        count += 1
+        if largest is None or amount > largest["amount"]:
+            largest = {"id": order["id"], "amount": amount}
+    average = total / count if count else 0.0
+    return {"region": region, "total": total, "count": count, "average": average, "largest": largest}
+'''
+
+ARTICLE = (
+    "The harbor commission met on Tuesday to review the winter repairs. The chief engineer reported that the "
+    "north breakwater lost forty meters of capstone in the January storms and that temporary barriers would hold "
+    "until April. \"We can finish the permanent work before the herring season if the quarry delivers on time,\" "
+    "she said. The treasurer warned that the repair fund stands at 412,000 crowns, about a third short of the "
+    "estimate, and proposed a levy of two crowns per berth. Several fishermen objected. \"The levy falls on those "
+    "who already lost the most days at sea,\" said Aiko Tanabe, who has fished from the quay for thirty years. "
+    "The commission agreed to defer the vote until the quarry confirms its prices, and asked the engineer to "
+    "publish a schedule of the closures along the south wall."
+)
+
+TWO_PASS_FIRST = ("Write a Python function parse_duration(text) that turns strings like '1h30m', '45s' or "
+                  "'2h' into a number of seconds. Raise ValueError on anything else. Give only the code.")
+TWO_PASS_SECOND = ("Write a Python function parse_duration(text) that turns strings like '1h30m', '45s' or "
+                   "'2h' into a number of seconds. Raise ValueError on anything else. Also accept days, "
+                   "such as '3d4h'. Give only the code.")
+
+
+@dataclass(frozen=True)
+class SpeculationTask:
+    """One speculation workload: the measured prompt, and for a two-pass edit the request that ran before it."""
+
+    name: str
+    prompt: str
+    before: str | None = None
+
+
+def speculation_tasks() -> list[SpeculationTask]:
+    ledger = evidence(12)
+    return [
+        SpeculationTask("copy-heavy", "Quote the ledger below line by line, keeping every name, place and sum, "
+                                      f"then summarize it using its original names and terms.\n\n{ledger}"),
+        SpeculationTask("code-edit", "Rename the variable `largest` to `biggest` in this function and return the "
+                                     f"whole function, otherwise unchanged.\n\n{CODE}"),
+        SpeculationTask("summary-quotes", "Summarize this report in three sentences, quoting the speakers word "
+                                          f"for word.\n\n{ARTICLE}"),
+        SpeculationTask("two-pass", TWO_PASS_SECOND, before=TWO_PASS_FIRST),
+        SpeculationTask("open-ended", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        # Counting repeats ", " constantly but never the digits after it: n-gram matches keep
+        # proposing continuations the model rejects, the worst case for prompt lookup.
+        SpeculationTask("counting", "Count upward from 1 to 200, separated by commas: 1, 2, 3,"),
+    ]

@@ -1,153 +1,198 @@
-"""Prompt-lookup speculation on the demo model: decode speed off vs on, and llama-cpp-python's own.
+"""Prompt-lookup speculation against plain decoding and against llama.cpp's server's n-gram speculators.
 
-Three tasks: copy-heavy (quote and summarize an evidence ledger using its
-original names and terms), low-overlap free writing (the small base model
-still repeats itself there), and counting, the adversarial low-overlap case
-whose proposals the model keeps rejecting. Four sides, ABBA
-order, one warm-up round dropped:
+Six workloads (``_workloads.speculation_tasks``): copy-heavy (quote a ledger),
+code edit (rename a variable in a function), summary with quotes, a two-pass
+edit (the measured request repeats most of an earlier request's answer),
+open-ended writing and counting (the adversarial case: ", " repeats, the
+digits after it never do). Greedy, ``--max-tokens`` tokens, the same prompt
+token ids on every side. Sides:
 
 - ``off``: plain greedy decoding, ``with_optimizer(threads=T, prefill_threads=T)``;
-- ``on``: ``with_optimizer(threads=T, prefill_threads=T, speculative_tokens=N)``;
-- ``llama``: llama-cpp-python's ``Llama.create_completion`` (plain);
-- ``llama+lookup``: the same with ``draft_model=LlamaPromptLookupDecoding(num_pred_tokens=N)``.
+- ``on-K``: the same with ``speculative_tokens=K`` for each ``--speculative-tokens`` K (the
+  draft policy chooses each step's length from the lease's measured row costs, up to K);
+- ``on-K/prompt-only`` (two-pass only): the same without the earlier request, so its lookup
+  sees the measured prompt alone; ``on-K`` runs the earlier request first on the same lease,
+  whose corpus then holds its answer;
+- with ``--llama-server BIN``: ``server`` (plain) and ``server:TYPE:K`` for each ``--server-spec``
+  (``--spec-type TYPE --spec-draft-n-max K --spec-ngram-mod-n-max K``; ``K`` = ``default``
+  keeps the server's defaults), ``-np 1 -t T -tb T -fa off -c CONTEXT``, prompt cache off.
 
-aner_nb sides report their own decode timing (first token to last);
-llama-cpp-python sides are timed from outside over the stream (first chunk to
-end), so compare ``on/off`` with each other and ``llama+lookup/llama`` with
-each other. Targets: ``on/off`` >= 2.0x on the copy-heavy task and >= 0.95x on
-the low-overlap tasks. Outputs are compared with the plain greedy output.
+Every measurement gets a fresh lease (and a fresh server): neither side's cross-request
+memory (our corpus, the server's n-gram pools) sees an earlier round of the same prompt;
+the two-pass task's earlier request runs on that fresh lease or server first, on every side.
+Rounds run the sides in ABBA order after one warm-up round. Decode tok/s is each side's own
+figure: our timings (first token to last), the server's ``predicted_per_second``.
 
-Every side gets the same ``T`` for one-token decodes and for batches
-(llama.cpp runs a verification batch on ``n_threads_batch``; unequal counts
-would hand speculation more threads than the decoding it is compared with).
-``T`` defaults to the logical CPUs; the run holds the benchmark lock.
-
-``--model`` (see ``_models.py``) defaults to ``smollm2`` (SmolLM2-135M-Instruct): prompt lookup
-is not specific to an attention layout or vocabulary. The targets above were set, and the
-sections of ``RESULTS.md`` measured, on Gemma 3 270M (``--model gemma``); on SmolLM2 the
-speculative side saves forward calls but gains little or no decode speed, so expect the
-copy-heavy target not to be met there.
-
-Run: ``python benchmarks/bench_lookup.py [--model smollm2|gemma|PATH] [--rounds 3] [--speculative-tokens 16]``.
+Run: ``python benchmarks/bench_lookup.py [--model smollm2|gemma|PATH] [--rounds 3]
+[--speculative-tokens 16 64] [--llama-server /tmp/srvbuild/bin/llama-server] [--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
+import statistics
+from typing import Any, Callable
 
-import llama_cpp
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+import httpx
 
+from _llama_slots import stop
 from _models import SMOLLM2, add_model_option, header, manifest_fields, resolve
-from _workloads import evidence
+from _workloads import SpeculationTask, speculation_tasks
+from bench_llama_server import start_server
 
-from aner_nb import bench, llm
+from aner_nb import bench
+
+DEFAULT_SERVER_SPECS = ("ngram-mod:default", "ngram-mod:16", "ngram-cache:16", "ngram-simple:16")
 
 
-def llama_side(name: str, ref: llama_cpp.Llama, model: llm.LLMModel) -> bench.Side:
-    def run(case: bench.Case) -> dict:
-        tokens = model.prompt_tokens(case.prompt)
-        ref.reset()  # evaluate the whole prompt, like the ordinary lease
-        first, chunks, text = None, 0, []
-        for chunk in ref.create_completion(tokens, max_tokens=case.max_tokens, temperature=0.0, stream=True):
-            chunks += 1
-            text.append(chunk["choices"][0]["text"])
-            if first is None:
-                first = time.perf_counter_ns()
-        end = time.perf_counter_ns()
-        out = "".join(text)
-        return {"decode_tokens_per_s": (chunks - 1) * 1e9 / (end - first) if chunks > 1 else float("nan"),
-                "completion_tokens": chunks, "text": out, "output_hash": str(hash(out)), "tokens": ()}
+def our_side(base, threads: int, k: int, *, earlier: bool = True) -> Callable[[SpeculationTask, int], dict]:
+    def run(task: SpeculationTask, max_tokens: int) -> dict:
+        with base.with_optimizer(threads=threads, prefill_threads=threads, speculative_tokens=k) as lease:
+            if task.before and earlier:
+                lease.generate(task.before, max_tokens=max_tokens)
+            r = lease.generate(task.prompt, max_tokens=max_tokens)
+        t = r.timings
+        return {"decode_tokens_per_s": r.tokens_per_second(), "tokens": tuple(r.tokens),
+                "proposed": max(t.speculative_proposed_tokens, 0), "accepted": max(t.speculative_accepted_tokens, 0),
+                "steps": max(t.speculative_verification_steps, 0), "decode_calls": t.decode_calls}
 
-    return bench.Side(name, run)
+    return run
+
+
+def server_side(binary: str, path: str, threads: int, context: int, spec: str | None, ids: Callable[[str], list[int]]):
+    extra = ["-fa", "off"]
+    if spec is not None:
+        kind, _, k = spec.partition(":")
+        extra += ["--spec-type", kind]
+        if k != "default":
+            extra += ["--spec-draft-n-max", k, "--spec-ngram-mod-n-max", k]
+
+    def run(task: SpeculationTask, max_tokens: int) -> dict:
+        proc, url = start_server(binary, path, 1, context, threads, extra=tuple(extra))
+        try:
+            with httpx.Client() as client:
+                if task.before:
+                    _complete(client, url, ids(task.before), max_tokens)
+                body = _complete(client, url, ids(task.prompt), max_tokens)
+        finally:
+            stop(proc)
+        t = body.get("timings") or {}
+        return {"decode_tokens_per_s": float(t.get("predicted_per_second", float("nan"))),
+                "tokens": tuple(body.get("tokens") or ()), "proposed": int(t.get("draft_n", 0)),
+                "accepted": int(t.get("draft_n_accepted", 0)), "steps": -1, "decode_calls": -1}
+
+    return run
+
+
+def _complete(client: httpx.Client, url: str, tokens: list[int], n_predict: int) -> dict:
+    body = {"prompt": tokens, "n_predict": n_predict, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+            "stream": False, "return_tokens": True}
+    r = client.post(f"{url}/completion", json=body, timeout=600)
+    r.raise_for_status()
+    return r.json()
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def main() -> None:
-    with bench.exclusive("bench_lookup"):
-        run()
-
-
-def run() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--speculative-tokens", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=0, help="T for every side (default: logical CPUs)")
-    parser.add_argument("--json", default=None)
     add_model_option(parser, SMOLLM2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--speculative-tokens", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--threads", type=int, default=2, help="T for every side (n_threads = n_threads_batch)")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--tasks", nargs="+", default=None, help="a subset of the workloads by name")
+    parser.add_argument("--llama-server", default=None, help="llama-server binary for the server sides")
+    parser.add_argument("--server-spec", nargs="+", default=list(DEFAULT_SERVER_SPECS))
+    parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    n = args.speculative_tokens
+    with bench.exclusive("bench_lookup"):
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     choice = resolve(args.model)
-    path = choice.path
-    threads = args.threads or (os.cpu_count() or 1)
-    base = choice.load(context=1024, flash_attention="off")
+    T = args.threads
+    base = choice.load(context=args.context, flash_attention="off")
     print(header(choice, base), flush=True)
-    model = base.with_optimizer(threads=threads, prefill_threads=threads)
-    spec = base.with_optimizer(threads=threads, prefill_threads=threads, speculative_tokens=n)
-    probe = model.generate("x", max_tokens=1).timings
-    assert (probe.threads, probe.prefill_threads) == (threads, threads)
-    common = dict(model_path=path, n_ctx=1024, n_batch=512, n_ubatch=128, n_threads=threads,
-                  n_threads_batch=threads, flash_attn=False, swa_full=False, n_gpu_layers=0, verbose=False)
-    ref = llama_cpp.Llama(**common)
-    # llama-cpp-python 0.3.36 sizes its score buffer from the logits_all argument while a draft
-    # model switches logits_all on internally: pass it explicitly or prompts > n_batch crash.
-    ref_lookup = llama_cpp.Llama(**common, logits_all=True, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=n))
+    env = bench.manifest(base, benchmark="lookup", **manifest_fields(choice, base))
+    print(f"threads={T} prefill_threads={T} (every side; the server gets -t {T} -tb {T}); context {args.context}; "
+          f"greedy, {args.max_tokens} tokens")
+    print(f"{env['cpu']}; {env['system_info']}", flush=True)
+    tasks = [t for t in speculation_tasks() if args.tasks is None or t.name in args.tasks]
+    ids = base.prompt_tokens
 
-    ledger = evidence(12)
-    tasks = {
-        "copy-heavy": [bench.Case("copy", "Quote the ledger below line by line, keeping every name, place and sum, "
-                                          f"then summarize it using its original names and terms.\n\n{ledger}",
-                                  args.max_tokens)],
-        "low-overlap": [bench.Case("free", "Write a short poem about the sea at night, with new images in every line.",
-                                   args.max_tokens)],
-        # Counting repeats ", " constantly but never the digits after it: n-gram matches keep
-        # proposing continuations the model rejects, the worst case for prompt lookup.
-        "counting": [bench.Case("count", "Count upward from 1 to 200, separated by commas: 1, 2, 3,", args.max_tokens)],
-    }
-    report = {"manifest": bench.manifest(spec, benchmark="lookup", **manifest_fields(choice, base)), "tasks": {}}
-    env = report["manifest"]
-    print(f"model {model.name} sha256 {model.fingerprint} speculative_tokens={n} "
-          f"threads={threads} prefill_threads={threads} (every side)")
-    print(f"{env['cpu']}; {env['system_info']}")
-    for task, cases in tasks.items():
-        result = bench.run_sides(
-            [bench.lease_side("off", model), bench.lease_side("on", spec),
-             llama_side("llama", ref, model), llama_side("llama+lookup", ref_lookup, model)],
-            cases, rounds=args.rounds, warmup=1, baseline="off",
-        )
-        f = result.frame
-        on = f[f.side == "on"]
-        acceptance = on.speculative_accepted.sum() / max(on.speculative_proposed.sum(), 1)
-        speedup = result.ratio("on", "decode_tokens_per_s")
-        llama_speedup = float(f[f.side == "llama+lookup"].decode_tokens_per_s.median()
-                              / f[f.side == "llama"].decode_tokens_per_s.median())
-        off_text = f[f.side == "off"].text.iloc[0]
-        same_on = bool((result.same_outputs("on")).all())
-        same_llama_lookup = f[f.side == "llama+lookup"].text.iloc[0] == f[f.side == "llama"].text.iloc[0]
-        print(f"\n== {task} ==")
-        print(result.summary(("decode_tokens_per_s", "decode_ms", "completion_tokens")).to_string(index=False))
-        print(f"on/off decode speedup: {speedup:.2f}x   acceptance {acceptance:.1%} "
-              f"({int(on.speculative_accepted.sum())}/{int(on.speculative_proposed.sum())})   same output as off: {same_on}")
-        print(f"llama+lookup/llama decode speedup: {llama_speedup:.2f}x   same output as plain Llama: {same_llama_lookup}")
-        print(f"llama text equals aner_nb off text: {f[f.side == 'llama'].text.iloc[0] == off_text}")
-        if not same_on:
-            a = f[f.side == "off"].tokens.iloc[0]
-            b = on.tokens.iloc[0]
-            print(f"  divergence: {bench.divergence(model, cases[0].prompt, a, b, shape=bench.BatchShape.verification(n))}")
-        report["tasks"][task] = {"speedup_on_off": speedup, "acceptance": acceptance, "same_on": same_on,
-                                 "speedup_llama_lookup": llama_speedup, "same_llama_lookup": same_llama_lookup,
-                                 "summary": result.summary(("decode_tokens_per_s",)).to_dict("records")}
+    sides: dict[str, Callable[[SpeculationTask, int], dict]] = {"off": our_side(base, T, 0)}
+    for k in args.speculative_tokens:
+        sides[f"on-{k}"] = our_side(base, T, k)
+        sides[f"on-{k}/prompt-only"] = our_side(base, T, k, earlier=False)
+    if args.llama_server:
+        sides["server"] = server_side(args.llama_server, choice.path, T, args.context, None, ids)
+        for spec in args.server_spec:
+            sides[f"server:{spec}"] = server_side(args.llama_server, choice.path, T, args.context, spec, ids)
+
+    judge = base.with_optimizer(threads=T, prefill_threads=T)  # plain greedy replays for the divergence rule
+
+    def identity(name: str, tokens: tuple, reference: tuple, prompt: str) -> str:
+        if tokens == reference:
+            return "same"
+        if not name.startswith("on-"):
+            return "differs"
+        k = int(name[3:].split("/")[0])
+        d = bench.divergence(judge, prompt, reference, tokens, shape=bench.BatchShape.verification(k))
+        verdict = "near tie" if d.near_tie else "DIFFERS"
+        return f"{verdict} at {d.position} (gap {d.gap:.3f} <= 2 x {d.perturbation:.3f})" if d.near_tie else (
+            f"{verdict} at {d.position} (gap {d.gap:.3f}, movement {d.perturbation:.3f}, later {d.later_position})")
+
+    report: dict[str, Any] = {"manifest": env, "tasks": {}}
+    for task in tasks:
+        names = [n for n in sides if not n.endswith("/prompt-only") or task.before]
+        rows: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(1 + args.rounds):
+            for name in names if r % 2 == 0 else reversed(names):
+                row = sides[name](task, args.max_tokens)
+                if r:
+                    rows[name].append(row)
+        med = {n: statistics.median(x["decode_tokens_per_s"] for x in rows[n]) for n in names}
+        off_tokens = rows["off"][0]["tokens"]
+        server_tokens = rows["server"][0]["tokens"] if "server" in rows else None
+        print(f"\n== {task.name} (prompt {len(ids(task.prompt))} tokens) ==")
+        print(f"{'side':28} {'decode tok/s median (min-max)':32} {'vs off':>7} {'accepted/proposed':>18} "
+              f"{'calls':>6}  output vs plain (ours: off; server sides: server)")
+        best_server = max((med[n] for n in names if n.startswith("server:")), default=None)
+        out: dict[str, Any] = {}
+        for n in names:
+            x = rows[n]
+            stable = all(y["tokens"] == x[0]["tokens"] for y in x)
+            verdict = identity(n, x[0]["tokens"], server_tokens if n.startswith("server") else off_tokens, task.prompt)
+            same = verdict == "same"
+            if not stable:
+                verdict += "; rounds differ"
+            acc = f"{sum(y['accepted'] for y in x)}/{sum(y['proposed'] for y in x)}"
+            calls = statistics.median(y["decode_calls"] for y in x)
+            print(f"{n:28} {spread([y['decode_tokens_per_s'] for y in x]):32} {med[n] / med['off']:6.2f}x "
+                  f"{acc:>18} {calls:6.0f}  {verdict}")
+            out[n] = {"median": med[n], "min": min(y["decode_tokens_per_s"] for y in x),
+                      "max": max(y["decode_tokens_per_s"] for y in x), "vs_off": med[n] / med["off"],
+                      "accepted": sum(y["accepted"] for y in x), "proposed": sum(y["proposed"] for y in x),
+                      "same_output": same and stable, "identity": verdict}
+        if best_server:
+            for k in args.speculative_tokens:
+                print(f"on-{k} / best server speculator: {med[f'on-{k}'] / best_server:.2f}x")
+            print(f"our plain tokens equal the server's plain tokens: {server_tokens == off_tokens}")
+        if task.before:
+            for k in args.speculative_tokens:
+                print(f"on-{k} (earlier request in the corpus) / on-{k}/prompt-only: "
+                      f"{med[f'on-{k}'] / med[f'on-{k}/prompt-only']:.2f}x")
+        report["tasks"][task.name] = out
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2, default=str)
-    for r in (ref, ref_lookup):
-        r.close()
-    spec.close()
-    model.close()
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    judge.close()
     base.close()
 
 

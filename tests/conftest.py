@@ -31,6 +31,20 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def free_rows(monkeypatch):
+    """Speculative leases made in the test treat verification rows as free, so every lookup is verified.
+
+    For tests of verification itself (rollback, identity, statistics): on the tiny fixtures a second
+    row costs about a whole step, so the measured policy (tested in test_row_costs.py and
+    test_draft_policy.py) rightly proposes almost nothing there.
+    """
+    from aner_nb.llm import speculation
+    from aner_nb.llm.draft_policy import FREE_ROWS
+
+    monkeypatch.setattr(speculation, "row_costs", lambda *args, **kwargs: FREE_ROWS)
+
+
 @pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_all(tmp_path_factory.mktemp("gguf-fixtures"))

@@ -73,7 +73,7 @@ def test_batched_requests_equal_the_requests_run_alone(model, solo):
     assert max(r.timings.batch_peak_sequences for r in batched) == 2
 
 
-def test_prefix_reuse_and_prompt_lookup_equal_plain_greedy(model, solo):
+def test_prefix_reuse_and_prompt_lookup_equal_plain_greedy(free_rows, model, solo):
     """A request extending the previous one reuses its prefix (longer than gemma's window)."""
     n = 16  # as test_optimizer.py: long greedy runs may flip a float-level near tie
     with model.with_optimizer(prefix_cache_entries=1, speculative_tokens=4) as fast:

@@ -47,7 +47,7 @@ CHUNKED = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one engine thread for this module
+pytestmark = pytest.mark.usefixtures("one_thread", "free_rows")  # conftest: one engine thread; every lookup verified
 
 
 @pytest.fixture(scope="module")

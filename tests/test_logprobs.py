@@ -192,7 +192,7 @@ def test_sampled_logprobs_are_the_raw_distribution_not_the_filtered_one(base, or
     assert max_difference(response.logprobs, rows, len(prompt) - 1) < FIXTURE_TOLERANCE
 
 
-def test_speculative_lease_logprobs_come_from_each_verified_row(loaded, oracle, recorded):
+def test_speculative_lease_logprobs_come_from_each_verified_row(free_rows, loaded, oracle, recorded):
     spec = loaded.with_optimizer(threads=1, prefill_threads=1, speculative_tokens=4)
     try:
         response = spec.complete(REPEATING, max_tokens=40, logprobs=True, top_logprobs=TOP)

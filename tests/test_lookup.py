@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from aner_nb.llm.lookup import NgramIndex, propose
+from aner_nb.llm.lookup import MAX_MATCH, MAX_NGRAM, LookupCorpus, NgramIndex, propose
 
 
 def test_longest_suffix_wins_over_shorter_more_recent_match():
@@ -69,58 +69,80 @@ def test_proposals_continue_an_earlier_occurrence(tokens, k):
         assert found
 
 
-def test_draft_policy_grows_on_acceptance_and_backs_off_on_rejection():
-    from aner_nb.llm.lookup import MAX_BACKOFF, DraftPolicy
-
-    p = DraftPolicy(8)
-    assert p.budget() == 8
-    p.update(8, 3)  # partial: shrink to what was accepted plus one
-    assert p.budget() == 4
-    p.update(4, 4)  # full acceptance doubles, capped at the maximum
-    assert p.budget() == 8
-    p.update(8, 0)  # complete rejection: one step without proposals, then a single one
-    assert [p.budget(), p.budget()] == [0, 1]
-    p.update(1, 0)  # a second rejection in a row doubles the pause
-    assert [p.budget() for _ in range(3)] == [0, 0, 1]
-    for _ in range(10):
-        p.update(1, 0)
-        while p.budget() == 0:
-            pass
-    p.update(1, 0)
-    pauses = 0
-    while p.budget() == 0:
-        pauses += 1
-    assert pauses == MAX_BACKOFF
-    p.update(1, 1)  # one lucky short match after a run of rejections does not end the back-off
-    p.update(2, 0)
-    assert [p.budget() for _ in range(MAX_BACKOFF + 1)] == [0] * MAX_BACKOFF + [1]
-    for _ in range(4):  # acceptance recovers the estimate: then a rejection pauses briefly again
-        p.update(4, 4)
-    p.update(2, 0)
-    assert [p.budget(), p.budget()] == [0, 1]
-    p.update(0, 0)  # a step without proposals changes nothing
-    assert p.budget() == 1
+def _match_reference(tokens, start, n, low=0):
+    """How far back the history's suffix equals the text before ``start + n`` (a plain scan)."""
+    m = 0
+    while m < MAX_MATCH and start + n - m - 1 >= low and tokens[start + n - m - 1] == tokens[len(tokens) - m - 1]:
+        m += 1
+    return m
 
 
-def test_draft_policy_pauses_when_partial_acceptance_does_not_pay():
-    """Counting-like steps (2 of 3 accepted) estimate ~2/3 < MIN_ACCEPTANCE: pauses grow; copying does not pause."""
-    from aner_nb.llm.lookup import MIN_ACCEPTANCE, DraftPolicy
+@settings(max_examples=300)
+@given(st.lists(st.integers(0, 3), max_size=120), st.integers(1, 10))
+def test_lookup_measures_the_whole_match_behind_a_proposal(tokens, k):
+    index = NgramIndex(tokens)
+    draft = index.lookup(k)
+    assert (draft is None) == (propose(tokens, k) == [])
+    if draft is not None:
+        assert list(draft.tokens) == propose(tokens, k)
+        # the occurrence the proposal continues, and how far back it agrees with the history's end
+        n = next(n for n in range(min(MAX_NGRAM, len(tokens) - 1), 1, -1) if index.latest(tokens[-n:]) is not None
+                 and index.latest(tokens[-n:]) + n < len(tokens))
+        start = index.latest(tokens[-n:])
+        assert draft.match == _match_reference(tokens, start, n)
+        assert 2 <= draft.match <= MAX_MATCH
 
-    counting = DraftPolicy(8)
-    budgets = []
-    for _ in range(40):
-        b = counting.budget()
-        budgets.append(b)
-        if b:
-            counting.update(min(b, 3), min(b, 3) - 1)  # ", " accepted, the digit after it rejected
-    assert counting.acceptance < MIN_ACCEPTANCE
-    assert budgets.count(0) > 20  # mostly paused: a 2-row step costs more than 1.67 tokens are worth
 
-    copying = DraftPolicy(16)
-    budgets = []
-    for _ in range(40):
-        b = copying.budget()
-        budgets.append(b)
-        copying.update(b, b - 1 if len(budgets) % 5 == 0 else b)  # an occasional last-token rejection
-    assert copying.acceptance >= MIN_ACCEPTANCE and 0 not in budgets
-    assert max(budgets) == 16
+def test_a_long_copy_reports_a_long_match():
+    text = list(range(100, 180))
+    index = NgramIndex(text + [7] + text[:40])  # copying the first 40 tokens again
+    draft = index.lookup(8)
+    assert draft.tokens == tuple(text[40:48]) and draft.match == 40
+    index = NgramIndex(text + [7] + text[:70])
+    assert index.lookup(8).match == MAX_MATCH  # measured no further than MAX_MATCH
+
+
+def test_corpus_continues_an_earlier_request_within_that_request():
+    corpus = LookupCorpus(capacity=1000)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    second = [50, 51, 52, 53]
+    corpus.add(first)
+    corpus.add(second)
+    draft = corpus.lookup([99, 3, 4, 5], 10)
+    assert draft.tokens == (6, 7, 8, 9) and draft.match == 3 and draft.source == "lease"
+    # the last n-gram of a request is followed by the next request's tokens: never proposed
+    assert corpus.lookup([0, 8, 9], 4) is None
+    assert corpus.lookup([52, 53], 4) is None
+    assert corpus.lookup([1, 2], 0) is None
+
+
+@settings(max_examples=200)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=3, max_size=30), min_size=1, max_size=12),
+       st.integers(10, 120), st.lists(st.integers(0, 4), min_size=2, max_size=12))
+def test_corpus_is_bounded_and_proposes_only_what_a_kept_request_continued(requests, capacity, history):
+    corpus = LookupCorpus(capacity=capacity)
+    for r in requests:
+        corpus.add(r)
+        assert len(corpus) <= capacity
+    kept = [r[-capacity:] for r in requests]
+    draft = corpus.lookup(history, 6)
+    if draft is None:
+        return
+    # some kept request holds the matched suffix followed by exactly the proposal, inside that request
+    n = min(draft.match, MAX_NGRAM)
+    assert any(
+        r[s : s + n] == history[-n:] and tuple(r[s + n : s + n + len(draft.tokens)]) == draft.tokens
+        for r in kept for s in range(len(r) - n)
+    )
+    assert draft.match <= len(history)
+
+
+def test_corpus_drops_the_oldest_requests_first():
+    corpus = LookupCorpus(capacity=40)
+    corpus.add(list(range(0, 20)))
+    corpus.add(list(range(100, 120)))
+    assert corpus.lookup([3, 4], 2).tokens == (5, 6)
+    corpus.add(list(range(200, 220)))  # 60 tokens > 40: the oldest goes
+    assert len(corpus) <= 40
+    assert corpus.lookup([3, 4], 2) is None
+    assert corpus.lookup([203, 204], 2).tokens == (205, 206)

@@ -48,7 +48,7 @@ def test_with_optimizer_returns_a_new_lease_on_the_same_weights(base):
         ({"micro_batch_tokens": 600}, "micro_batch_tokens (600) must be <= batch_tokens (512)"),
         ({"prefix_cache_tokens": 0}, "prefix_cache_tokens"),
         ({"prefix_cache_entries": 17}, "prefix_cache_entries must be in 0..16"),
-        ({"speculative_tokens": 17}, "speculative_tokens must be in 0..16"),
+        ({"speculative_tokens": 65}, "speculative_tokens must be in 0..64"),
         ({"threads": 1.5}, "threads must be an integer"),
     ],
 )
@@ -294,7 +294,7 @@ PLAIN = "Write one new sentence about weather."
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("prompt", [REPETITIVE, PLAIN, EVIDENCE])
-def test_speculative_output_equals_plain_greedy(fixture_models, arch, prompt):
+def test_speculative_output_equals_plain_greedy(free_rows, fixture_models, arch, prompt):
     with llm.load(fixture_models[arch], context=CTX) as plain, plain.with_optimizer(speculative_tokens=6) as spec:
         expected = greedy(plain, prompt, 40)
         r = greedy(spec, prompt, 40)
@@ -310,7 +310,7 @@ def test_speculative_output_equals_plain_greedy(fixture_models, arch, prompt):
         assert t.decode_calls == t.generated_tokens - 1 - t.speculative_accepted_tokens
 
 
-def test_speculation_pays_on_repetitive_output(llama_path):
+def test_speculation_pays_on_repetitive_output(free_rows, llama_path):
     with llm.load(llama_path, context=CTX) as plain, plain.with_optimizer(speculative_tokens=8) as spec:
         r = greedy(spec, REPETITIVE, 64)
         t = r.timings
@@ -318,24 +318,42 @@ def test_speculation_pays_on_repetitive_output(llama_path):
         assert r.tokens == greedy(plain, REPETITIVE, 64).tokens
 
 
-def test_forced_rejections_roll_back_and_keep_output(llama_path, monkeypatch):
+def test_an_earlier_answer_of_the_same_lease_is_drafted_and_verified(free_rows, llama_path):
+    """The lease's corpus holds request 1's answer: re-running the prompt drafts it; another lease has no corpus of it."""
+    with llm.load(llama_path, context=CTX) as plain, plain.with_optimizer(speculative_tokens=8) as spec, \
+            plain.with_optimizer(speculative_tokens=8) as other:
+        expected = greedy(plain, PLAIN, 40)
+        first = greedy(spec, PLAIN, 40)
+        second = greedy(spec, PLAIN, 40)
+        independent = greedy(other, PLAIN, 40)
+        assert first.tokens == second.tokens == independent.tokens == expected.tokens
+        t1, t2, t3 = first.timings, second.timings, independent.timings
+        assert t2.speculative_accepted_tokens > t1.speculative_accepted_tokens
+        # nearly every step verifies a long run of the earlier answer (8 proposals + 1 per call)
+        assert t2.decode_calls <= -(-(t2.generated_tokens - 1) // 9) + 1
+        # the other lease never saw request 1: its first run drafts exactly as the first lease's did
+        assert (t3.speculative_proposed_tokens, t3.speculative_accepted_tokens, t3.decode_calls) == (
+            t1.speculative_proposed_tokens, t1.speculative_accepted_tokens, t1.decode_calls)
+
+
+def test_forced_rejections_roll_back_and_keep_output(free_rows, llama_path, monkeypatch):
     with llm.load(llama_path, context=CTX) as plain, plain.with_optimizer(speculative_tokens=4) as spec:
         expected = greedy(plain, EVIDENCE, 30)
         vocab = plain._weights.native.n_vocab
 
         def wrong(self, k):  # proposals the model will (almost surely) reject
-            return [(self.tokens[-1] + 1 + i) % vocab for i in range(k)]
+            return lookup_module.Draft(tuple((self.tokens[-1] + 1 + i) % vocab for i in range(k)), match=2)
 
-        monkeypatch.setattr(lookup_module.NgramIndex, "propose", wrong)
+        monkeypatch.setattr(lookup_module.NgramIndex, "lookup", wrong)
         r = greedy(spec, EVIDENCE, 30)
         t = r.timings
         assert r.tokens == expected.tokens
         assert t.speculative_proposed_tokens > t.speculative_accepted_tokens
-        # every rejection rolled back; the draft policy then pauses proposing (backoff)
+        # every rejection rolled back; the draft policy then stops proposing after 2-token matches
         assert 1 <= t.speculative_verification_steps < t.decode_calls
 
 
-def test_speculative_stream_sees_only_verified_text(llama_path):
+def test_speculative_stream_sees_only_verified_text(free_rows, llama_path):
     with llm.load(llama_path, context=CTX) as plain, plain.with_optimizer(speculative_tokens=8) as spec:
         s = spec.stream(REPETITIVE, max_tokens=48)
         assert "".join(s) == greedy(plain, REPETITIVE, 48).text
@@ -348,7 +366,7 @@ def test_temperature_is_rejected_with_speculation(base):
         assert greedy(spec, "x", 2).usage.completion_tokens >= 1
 
 
-def test_prefix_cache_and_speculation_together(base):
+def test_prefix_cache_and_speculation_together(free_rows, base):
     with base.with_optimizer(prefix_cache_entries=1, speculative_tokens=6) as fast:
         first = greedy(fast, REPETITIVE, 40)
         second = greedy(fast, REPETITIVE, 40)

@@ -54,7 +54,7 @@ def test_the_fixture_is_quantized(model):
     assert types == {"Q8_0"} and model.memory_summary().weights_bytes < 2_000_000
 
 
-def test_speculative_equals_greedy_or_a_proven_near_tie(model, plain):
+def test_speculative_equals_greedy_or_a_proven_near_tie(free_rows, model, plain):
     proposed = 0
     with model.with_optimizer(speculative_tokens=6) as spec:
         for prompt, ref in zip(PROMPTS, plain):

@@ -63,7 +63,7 @@ def test_speculation_that_cannot_fit_a_batch_falls_back_to_plain_settings():
     assert OptimizerSettings(speculative_tokens=0).draft_tokens == 0
 
 
-def test_speculation_that_cannot_fit_a_batch_decodes_plainly(base, decodes):
+def test_speculation_that_cannot_fit_a_batch_decodes_plainly(free_rows, base, decodes):
     small = {"batch_tokens": 8, "micro_batch_tokens": 8}
     with base.with_optimizer(speculative_tokens=8, **small) as fallback, \
             base.with_optimizer(**small) as plain, base.with_optimizer(speculative_tokens=4, **small) as drafting:

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext
+from .draft_policy import MAX_SPECULATIVE_TOKENS
 from .errors import EngineError
 from .lease import LLMModel
 from .requests import as_messages, context_params
@@ -67,8 +68,8 @@ class BatchShape:
     def __post_init__(self) -> None:
         if self.kind not in ("prefill", "verification", "sequences"):
             raise ValueError(f"BatchShape kind must be prefill, verification or sequences, got {self.kind!r}")
-        if not 1 <= self.size <= 64:
-            raise ValueError(f"BatchShape size must be 1..64, got {self.size}")
+        if not 1 <= self.size <= MAX_SPECULATIVE_TOKENS + 1:  # a verification batch: pending token + proposals
+            raise ValueError(f"BatchShape size must be 1..{MAX_SPECULATIVE_TOKENS + 1}, got {self.size}")
         if self.cached < 0 or (self.cached and self.kind != "prefill"):
             raise ValueError(f"BatchShape cached applies to a prefill shape and is >= 0, got {self.cached}")
 

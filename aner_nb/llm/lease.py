@@ -36,6 +36,7 @@ from .requests import Prepared, RawText, context_params, template_opening
 from .reuse import ReuseShape
 from .runner import Job, run_request
 from .session import Session
+from .speculation import lease_speculator
 from .summary import MemorySummary, lease_holdings, memory_summary
 from .weights import SharedWeights
 
@@ -64,6 +65,8 @@ class LLMModel(Lease):
         params = context_params(
             weights, profile, swa_full=opt.is_latency_profile, adapter=adapter, reuses_prefixes=opt.prefix_cache_entries > 0,
         )
+        # Measured (or read from the cache) before anything is owned: a failed probe leaves nothing behind.
+        self._speculator = lease_speculator(weights, params, opt.draft_tokens)
         life = Lifetime(
             "lease", busy_advice=" (one request at a time per lease: wait, or use with_batching for concurrency)"
         )
@@ -123,8 +126,7 @@ class LLMModel(Lease):
         for part in acquired.timings:
             job.add(part)
         pieces = run_request(
-            self._weights.native, acquired.slot.ctx, acquired.slot.batch, job,
-            speculative_tokens=self._profile.optimizer.draft_tokens,
+            self._weights.native, acquired.slot.ctx, acquired.slot.batch, job, speculator=self._speculator
         )
 
         def done(ok: bool, slot: ContextSlot = acquired.slot) -> None:

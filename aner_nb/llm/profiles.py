@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .draft_policy import MAX_SPECULATIVE_TOKENS
 from .errors import ConfigurationError
 from .memory import KV_CACHE_TYPES
 from .options import MAX_CONTEXT, MAX_REPEAT_PENALTY, MAX_SEED, MAX_STOP_STRINGS, MAX_TOKENS, MAX_VOCAB, int_in
@@ -167,7 +168,7 @@ class OptimizerSettings:
             )
         int_in("prefix_cache_entries", self.prefix_cache_entries, 0, 16)
         int_in("prefix_cache_tokens", self.prefix_cache_tokens, 1, MAX_CONTEXT)
-        int_in("speculative_tokens", self.speculative_tokens, 0, 16)
+        int_in("speculative_tokens", self.speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
 
     @property
     def draft_tokens(self) -> int:

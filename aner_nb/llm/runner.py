@@ -32,7 +32,7 @@ from .response import Response, Usage
 from .reuse import BLOCKED, MIN_ROWS, ReuseShape
 from .timings import NOT_MEASURED, PoolTimings, RunTimings, SpeculativeTimings, Timings, TimingsPart
 from .json_closing import JsonCloser
-from .lookup import DraftPolicy, NgramIndex
+from .speculation import RequestDrafts, Speculator
 from .output import OutputFormat
 from .logprobs import Piece, TokenLogprob, token_logprob
 from .sampling import new_sampler
@@ -400,14 +400,15 @@ def prefill_scored(
 
 
 def run_request(
-    model: NativeModel, ctx: NativeContext, batch: Batch, job: Job, *, speculative_tokens: int = 0
+    model: NativeModel, ctx: NativeContext, batch: Batch, job: Job, *, speculator: Speculator | None = None
 ) -> Generator[str, None, Response]:
     """Run ``job`` to completion, yielding each newly verified piece of text.
 
-    With ``speculative_tokens`` > 0 (greedy only), each step evaluates the
-    pending token plus up to that many prompt-lookup proposals in one batch
-    and keeps the proposals the model agrees with (see :func:`_verify`);
-    :class:`DraftPolicy` adapts how many are proposed to how many were accepted.
+    With a ``speculator`` (greedy only), each step evaluates the pending
+    token plus the prompt-lookup proposals its policy finds worth their
+    rows (up to ``speculator.maximum``) in one batch and keeps the proposals
+    the model agrees with (see :func:`_verify`); a completed request adds
+    its prompt and answer to the lease's corpus.
 
     The generator returns the Response. On cancellation (``job.cancel`` set,
     the generator closed, or KeyboardInterrupt) ``job.result`` holds a
@@ -422,13 +423,12 @@ def run_request(
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
     if request.prompt_logprobs and job.n_cached:
         raise ValueError("prompt_logprobs scores the whole prompt: nothing of it may come from a cache")
-    if speculative_tokens and not request.plain_argmax:
+    if speculator is not None and not request.plain_argmax:
         raise ValueError("prompt-lookup speculation verifies plain greedy choices only")
     sampler = new_sampler(model, request, job.grammar, prompt)
     out = SequenceOutput(model, job)
-    index = NgramIndex(prompt) if speculative_tokens else None
-    policy = DraftPolicy(speculative_tokens) if speculative_tokens else None
-    if index is not None:
+    drafts_of = speculator.start(prompt) if speculator is not None else None
+    if drafts_of is not None:
         out.speculation = SpeculationCounts()
     try:
         if not _evaluate_prompt(ctx, batch, job, out):
@@ -443,14 +443,14 @@ def run_request(
             yield from _accept(out, verified, scores)
             if out.finished:
                 break
-            if index is not None:
-                index.extend(verified)
-            drafts = _drafts(ctx, out, index, policy, pos)
+            if drafts_of is not None:
+                drafts_of.extend(verified)
+            drafts = _drafts(ctx, out, drafts_of, pos)
             _decode(ctx, batch, out, verified[-1], pos, drafts)
             if drafts:
                 verified = _verify(ctx, drafts)
                 scores = [out.score(ctx, i, token) for i, token in enumerate(verified)]  # row i chose token i
-                pos = _keep_accepted(ctx, out, policy, pos, drafts, len(verified) - 1)
+                pos = _keep_accepted(ctx, out, drafts_of, pos, drafts, len(verified) - 1)
             else:
                 verified = [ctx.greedy(0) if sampler is None else sampler.sample(ctx, 0)]
                 scores = [out.score(ctx, 0, verified[0])]
@@ -461,6 +461,8 @@ def run_request(
     finally:
         if sampler is not None:
             sampler.free()
+    if drafts_of is not None:
+        drafts_of.finish(out.tokens)
     tail = out.tail()
     if tail:
         yield tail
@@ -495,14 +497,11 @@ def _accept(
             return
 
 
-def _drafts(
-    ctx: NativeContext, out: SequenceOutput, index: NgramIndex | None, policy: DraftPolicy | None, pos: int
-) -> list[int]:
+def _drafts(ctx: NativeContext, out: SequenceOutput, drafts_of: RequestDrafts | None, pos: int) -> list[int]:
     """The prompt-lookup proposals to verify after the token at ``pos`` (none without speculation)."""
-    if index is None or policy is None:
+    if drafts_of is None:
         return []
-    room = min(out.job.request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1
-    return index.propose(min(policy.budget(), room))
+    return drafts_of.propose(min(out.job.request.max_tokens - len(out.tokens), ctx.n_ctx - pos) - 1)
 
 
 def _decode(
@@ -520,11 +519,11 @@ def _decode(
 
 
 def _keep_accepted(
-    ctx: NativeContext, out: SequenceOutput, policy: DraftPolicy | None, pos: int, drafts: Sequence[int],
+    ctx: NativeContext, out: SequenceOutput, drafts_of: RequestDrafts | None, pos: int, drafts: Sequence[int],
     accepted: int,
 ) -> int:
     """Count ``accepted`` of ``drafts``, drop the rejected rows' KV; returns the next pending position."""
-    policy.update(len(drafts), accepted)  # type: ignore[union-attr]
+    drafts_of.record(len(drafts), accepted)  # type: ignore[union-attr]
     counts = out.speculation
     assert counts is not None
     counts.proposed += len(drafts)

@@ -1,0 +1,143 @@
+"""The draft-length policy: pure arithmetic over measured row costs and acceptance estimates."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from aner_nb.llm.draft_policy import (
+    FREE_ROWS, MATCH_BUCKETS, MAX_SPECULATIVE_TOKENS, MIN_DRAFT_CAP, MIN_GAIN, DraftPolicy, RowCosts, best_length, expected_tokens,
+)
+
+# Shaped like Gemma 3 270M on two cores (every row pays a 262k-vocabulary product) and like a small
+# vocabulary, where rows are cheap until the batch stops being bound by reading the weights.
+GEMMA_LIKE = RowCosts.from_points([(1, 1.0), (2, 1.8), (4, 2.6), (8, 3.6), (16, 6.0), (32, 10.0), (65, 19.0)])
+CHEAP = RowCosts.from_points([(1, 1.0), (2, 1.05), (8, 1.4), (16, 2.0), (65, 6.0)])
+
+
+def test_row_costs_interpolate_between_points_and_extend_past_the_last():
+    c = RowCosts.from_points([(1, 0.010), (3, 0.020), (5, 0.024)])
+    assert c.ratios == pytest.approx((1.0, 1.5, 2.0, 2.2, 2.4))
+    assert c.of(7) == pytest.approx(3.1)  # the mean increment (0.35 per row) goes on
+    assert c.measured == (1, 3, 5) and c.drafts(6) == [2, 4]  # the measured 3- and 5-row steps
+    assert FREE_ROWS.of(65) == 1.0
+
+
+@pytest.mark.parametrize("ratios", [(), (2.0,), (1.0, float("nan")), (1.0, -1.0), (1.0,) * (MAX_SPECULATIVE_TOKENS + 2)])
+def test_row_costs_reject_implausible_tables(ratios):
+    with pytest.raises(ValueError):
+        RowCosts(ratios)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 8) == 1.0
+
+
+def _reference_best(p, limit, costs):
+    """The shortest draft whose speed is (within a millionth) the best, if that beats plain decoding by MIN_GAIN."""
+    steps = set(costs.measured) if costs.measured else None
+    rates = {d: sum(p**i for i in range(d + 1)) / costs.of(d + 1) for d in range(1, limit + 1)
+             if steps is None or d + 1 in steps}
+    best = max(rates.values(), default=0.0)
+    if best <= 1.0 + MIN_GAIN:
+        return 0
+    return min(d for d, r in rates.items() if r >= best * (1 - 1e-6))
+
+
+@settings(max_examples=300)
+@given(st.floats(0.0, 1.0), st.integers(0, MAX_SPECULATIVE_TOKENS), st.sampled_from([GEMMA_LIKE, CHEAP, FREE_ROWS]))
+def test_best_length_is_the_argmax_of_tokens_per_cost(p, limit, costs):
+    assert best_length(p, limit, costs) == _reference_best(p, limit, costs)
+
+
+@given(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.sampled_from([GEMMA_LIKE, CHEAP]))
+def test_a_better_acceptance_never_shortens_the_draft(p, q, costs):
+    lo, hi = sorted((p, q))
+    assert best_length(lo, 64, costs) <= best_length(hi, 64, costs)
+
+
+def test_one_proposal_pays_only_when_its_row_is_likely_to_be_used():
+    # a second row costs 0.8 of a step: one proposal needs (1 + p) / 1.8 > 1 + MIN_GAIN
+    assert best_length(0.85, 1, GEMMA_LIKE) == 0
+    assert best_length(0.95, 1, GEMMA_LIKE) == 1
+    assert best_length(0.3, 8, CHEAP) > 0  # cheap rows pay even at a modest acceptance
+    assert best_length(1.0, 64, GEMMA_LIKE) == 64  # a certain copy drafts all it may
+    # a measured 8-row step cheaper than 7 rows: the policy never drafts to an unmeasured count
+    tiled = RowCosts.from_points([(1, 1.0), (2, 2.0), (7, 4.2), (8, 3.8), (10, 5.6), (12, 4.4)])
+    assert best_length(0.99, 10, tiled) == 7  # 8 rows, not 9 or 10 interpolated between 8 and 10
+    assert best_length(0.999, 12, tiled) == 11
+
+
+def test_policy_drafts_long_while_a_long_match_keeps_being_accepted():
+    policy = DraftPolicy(64, GEMMA_LIKE)
+    lengths, match = [], 8
+    for _ in range(8):
+        d = policy.length(match, 64)
+        lengths.append(d)
+        policy.update(match, d, d)
+        match = min(match + d + 1, 64)  # the copied run extends the match
+    assert lengths[-1] >= 32 and lengths == sorted(lengths)
+
+
+def test_policy_stops_proposing_after_short_matches_fail_but_long_matches_still_may():
+    assert DraftPolicy(16, GEMMA_LIKE).length(2, 16) == 0  # at the prior, a 2-token match is not worth a dear row
+    policy = DraftPolicy(16, CHEAP)
+    assert policy.length(2, 16) > 0
+    for _ in range(8):
+        d = policy.length(2, 16)
+        if d:
+            policy.update(2, d, 0)
+    assert policy.length(2, 16) == 0
+    assert policy.length(MATCH_BUCKETS[-1][0], 16) > 0
+    assert policy.acceptance(2) < 0.2
+
+
+def test_policy_respects_its_maximum_what_the_lookup_offers_and_the_match_behind_it():
+    policy = DraftPolicy(8, FREE_ROWS)
+    assert policy.length(20, 30) == 8
+    assert policy.length(20, 3) == 3
+    assert policy.length(20, 0) == 0
+    wide = DraftPolicy(64, FREE_ROWS)
+    assert wide.length(2, 64) == MIN_DRAFT_CAP and wide.length(12, 64) == 12 and wide.length(64, 64) == 64
+    with pytest.raises(ValueError):
+        DraftPolicy(MAX_SPECULATIVE_TOKENS + 1)
+
+
+def _simulate(costs, acceptance, match, steps_tokens=400, seed=7):
+    """Cost of producing ``steps_tokens`` tokens under the policy when each proposal is accepted with a fixed chance."""
+    rng = random.Random(seed)
+    policy = DraftPolicy(64, costs)
+    produced, cost = 0, 0.0
+    while produced < steps_tokens:
+        d = policy.length(match, 64)
+        accepted = 0
+        while accepted < d and rng.random() < acceptance:
+            accepted += 1
+        policy.update(match, d, accepted)
+        produced += accepted + 1
+        cost += costs.of(d + 1)
+    return steps_tokens / cost  # speed relative to plain decoding (one token per unit of cost)
+
+
+@pytest.mark.parametrize("costs", [GEMMA_LIKE, CHEAP], ids=["gemma-like", "cheap"])
+@pytest.mark.parametrize("acceptance", [0.0, 0.2, 0.5])
+@pytest.mark.parametrize("match", [2, 5])
+def test_rejected_drafts_cost_at_most_two_percent_of_plain_decoding(costs, acceptance, match):
+    assert _simulate(costs, acceptance, match) >= 0.98
+
+
+@pytest.mark.parametrize("costs,floor", [(GEMMA_LIKE, 2.0), (CHEAP, 4.0)], ids=["gemma-like", "cheap"])
+def test_a_copy_is_drafted_long_enough_to_pay(costs, floor):
+    assert _simulate(costs, 0.995, 40) >= floor
+
+
+def test_earlier_requests_drafts_are_estimated_apart_from_the_requests_own():
+    policy = DraftPolicy(16, GEMMA_LIKE)
+    for _ in range(6):
+        d = policy.length(20, 16, "lease")
+        if d:
+            policy.update(20, d, 0, "lease")
+    assert policy.length(20, 16, "lease") == 0  # an earlier answer this one departs from
+    assert policy.length(20, 16, "request") == DraftPolicy(16, GEMMA_LIKE).length(20, 16)  # own copying untouched
