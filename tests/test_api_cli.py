@@ -80,6 +80,28 @@ def test_environment_defaults_and_the_command_line_wins(monkeypatch):
     assert all(option.env in help_text for option in cli.OPTIONS)
 
 
+def test_speculative_tokens_reach_the_batching_lease(llama_path, monkeypatch):
+    p = cli.parser()
+    assert cli.resolve(p, p.parse_args(["m.gguf", "--speculative-tokens", "16"])).speculative_tokens == 16
+    with pytest.raises(SystemExit):
+        cli.resolve(p, p.parse_args(["m.gguf", "--speculative-tokens", "65"]))
+    args = cli.resolve(p, p.parse_args([str(llama_path), "--speculative-tokens", "4", "--max-sequences", "2"]))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(self, **kwargs):
+        seen["speculative"] = kwargs["model"].supports("speculative")
+        raise Stop
+
+    builder, _ = cli.check(args)
+    monkeypatch.setattr(type(builder), "llm", fake_llm)
+    with llm.load(llama_path, context=512) as base, pytest.raises(Stop):
+        cli._serve(builder, base, args)
+    assert seen == {"speculative": True}
+
+
 def test_a_bad_option_fails_fast_in_a_fresh_process(tmp_path):
     # The model path is a FIFO with no writer: opening it to read (hashing, inspecting, loading) would
     # block the process until serve()'s 60-s hang guard. Returning at all, with the option error,

@@ -141,3 +141,51 @@ def test_earlier_requests_drafts_are_estimated_apart_from_the_requests_own():
             policy.update(20, d, 0, "lease")
     assert policy.length(20, 16, "lease") == 0  # an earlier answer this one departs from
     assert policy.length(20, 16, "request") == DraftPolicy(16, GEMMA_LIKE).length(20, 16)  # own copying untouched
+
+
+# -- continuous batching: drafts inside a shared step ------------------------------------------------------
+
+from aner_nb.llm.draft_policy import batch_drafts  # noqa: E402
+
+
+@settings(max_examples=200)
+@given(st.floats(0.0, 1.0), st.integers(0, 64), st.sampled_from([GEMMA_LIKE, CHEAP, FREE_ROWS]))
+def test_one_sequence_alone_drafts_as_the_latency_policy(p, most, costs):
+    chosen = batch_drafts([(3, p, most)], decoding=1, rows=1, room=511, costs=costs)
+    assert chosen.get(3, 0) == best_length(p, most, costs)
+
+
+def test_batch_drafts_only_where_the_step_gets_faster():
+    # four decoding sequences on Gemma-like rows: a certain copy pays, a doubtful one does not
+    chosen = batch_drafts([(0, 0.99, 16), (1, 0.3, 16), (2, 0.0, 16)], decoding=4, rows=4, room=508, costs=GEMMA_LIKE)
+    assert set(chosen) == {0} and chosen[0] >= 4
+    assert batch_drafts([(0, 0.99, 16)], decoding=4, rows=4, room=0, costs=GEMMA_LIKE) == {}  # no room left
+    capped = batch_drafts([(0, 1.0, 64), (1, 1.0, 64)], decoding=2, rows=2, room=10, costs=FREE_ROWS)
+    assert sum(capped.values()) <= 10
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 32)), min_size=1, max_size=6),
+       st.integers(0, 200), st.integers(0, 128), st.sampled_from([GEMMA_LIKE, CHEAP]))
+def test_batch_drafts_never_slow_the_step_down_and_fit_the_budget(offers, prefill, room, costs):
+    decoding = len(offers)
+    rows = decoding + prefill
+    chosen = batch_drafts([(i, p, m) for i, (p, m) in enumerate(offers)], decoding, rows, room, costs)
+    assert sum(chosen.values()) <= room and all(1 <= chosen[i] <= offers[i][1] for i in chosen)
+    extra = sum(chosen.values())
+    tokens = decoding + sum(expected_tokens(offers[i][0], d) - 1 for i, d in chosen.items())
+    base = costs.of(decoding) - costs.of(rows)
+    assert tokens / (base + costs.of(rows + extra)) >= decoding / costs.of(decoding) * (1 - 1e-9)
+
+
+def test_evidence_in_one_bucket_moves_the_others():
+    """A request that keeps copying drafts after short matches too; one whose drafts fail stops after long ones."""
+    copying = DraftPolicy(16, GEMMA_LIKE)
+    assert copying.length(5, 16) == 0  # a 5-token match alone does not pay for Gemma-like rows
+    for _ in range(6):
+        copying.update(20, 16, 16)
+    assert copying.length(5, 16) > 0 and copying.acceptance(5) > 0.85
+    failing = DraftPolicy(16, CHEAP)
+    for _ in range(8):
+        failing.update(3, 4, 0)
+    assert failing.acceptance(40) < DraftPolicy(16, CHEAP).acceptance(40) - 0.3

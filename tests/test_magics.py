@@ -247,6 +247,14 @@ def test_batch_derives_a_throughput_lease_that_streams(ip, llama_path):
         ip.run_cell_magic("chat", "many", "hi")
 
 
+def test_batch_with_speculative_tokens_derives_a_speculating_throughput_lease(ip, llama_path):
+    load(ip, llama_path)
+    run(ip, "%llm batch base --as spec --max-sequences 2 --speculative-tokens 4")
+    spec = ip.user_ns["spec"]
+    assert spec.supports("continuous_batching") and spec.supports("speculative")
+    assert spec.profile.optimizer.speculative_tokens == 4
+
+
 def test_adapter_derives_an_adapter_lease(ip, llama_path, fixture_models, tmp_path):
     import shutil
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 from .._version import __version__
 from ..llm.batching import MAX_SEQUENCES
+from ..llm.draft_policy import MAX_SPECULATIVE_TOKENS
 from ..llm.memory import KV_CACHE_TYPES
 from ..llm.options import REGISTRY
 from ..llm.profiles import CPU_EXTRA_BUFFERS, DEFAULT_DISK_BYTES, FLASH_ATTENTION, MAX_CONTEXT, MAX_TIER_BYTES
@@ -152,6 +153,8 @@ OPTIONS: tuple[Option, ...] = (
            "restores it instead of evaluating it (needs --prefix-cache-entries)", "DIR"),
     Option("prefix_cache_disk_bytes", _int_in(1, MAX_TIER_BYTES), DEFAULT_DISK_BYTES,
            "at most N bytes in --prefix-cache-dir", "N"),
+    Option("speculative_tokens", _int_in(0, MAX_SPECULATIVE_TOKENS), 0, "prompt-lookup proposals a plain greedy "
+           "request may verify per step, where the measured row costs say they pay (0: off)", "N"),
     Option("context", _int_in(0, MAX_CONTEXT), 0, "context cells, split equally between the sequences (0: the "
            f"model's declared context, at most {AUTO_CONTEXT_CAP:,})", "N"),
     Option("chat_template", _text, None, "a built-in template name (e.g. gemma) or a Jinja string", "T"),
@@ -365,7 +368,7 @@ def _serve(builder: Any, base: Any, args: argparse.Namespace) -> int:
             args.max_sequences, prefix_cache_entries=args.prefix_cache_entries,
             prefix_cache_tokens=args.prefix_cache_tokens, prefix_cache_ram_bytes=args.prefix_cache_ram_bytes,
             prefix_cache_dir=os.path.expanduser(args.prefix_cache_dir) if args.prefix_cache_dir else None,
-            prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+            prefix_cache_disk_bytes=args.prefix_cache_disk_bytes, speculative_tokens=args.speculative_tokens,
         )
         server = builder.llm(path="/chat", model=model, name=args.name).start()
         stats = model.stats()

@@ -60,18 +60,21 @@ from .scheduler_stats import SchedulerStats
 from .summary import ESTIMATE, PER_LEASE, PER_REQUEST, Holding, MemorySummary, memory_summary, tier_holdings
 from .prefix_store import tier_store
 from .shared_prefix import SharedPrefixes
+from .speculation import lease_speculator
 from .weights import SharedWeights
 
 __all__ = ["BatchingModel", "BatchingSettings", "with_batching", "MAX_SEQUENCES", "QUEUE_LIMIT", "STREAM_BUFFER"]
 
 
 def with_batching(
-    model: Any, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048, **tiers: Any
+    model: Any, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048,
+    speculative_tokens: int = 0, **tiers: Any
 ) -> "BatchingModel":
     """Module form of :meth:`LLMModel.with_batching` (``tiers``: ``prefix_cache_ram_bytes``, ``prefix_cache_dir``,
     ``prefix_cache_disk_bytes``)."""
     return model.with_batching(
-        max_sequences, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens, **tiers
+        max_sequences, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
+        speculative_tokens=speculative_tokens, **tiers
     )
 
 
@@ -145,6 +148,7 @@ class BatchingModel(Lease):
     def _features(self) -> frozenset[str]:
         optional = {
             "adapter": self._adapter is not None, "prefix_cache": self._profile.optimizer.prefix_cache_entries > 0,
+            "speculative": self._profile.optimizer.draft_tokens > 0,
         }
         return frozenset(
             {"generate", "chat", "stream", "complete", "continuous_batching", "embed",
@@ -308,9 +312,11 @@ def _shared_context_params(
     sequence_context = weights.settings.context // profile.batching.max_sequences
     entries = profile.optimizer.prefix_cache_entries
     streams = profile.batching.max_sequences + entries
+    # Speculation removes rejected proposals, so it keeps a full sliding-window cache as well.
     params = context_params(
         weights, profile, n_seq_max=streams, kv_unified=False, adapter=adapter,
-        n_ctx=sequence_context * streams if entries else None, swa_full=entries > 0,
+        n_ctx=sequence_context * streams if entries else None,
+        swa_full=entries > 0 or profile.optimizer.draft_tokens > 0,
     )
     return params, sequence_context
 
@@ -330,6 +336,7 @@ def _start_scheduler(
             max_tokens=opt.prefix_cache_tokens, trivial_prefix=trivial,
             store=tier_store(weights, profile, params, trivial_prefix=trivial),
         )
+    speculator = lease_speculator(weights, params, opt.draft_tokens)  # measured before anything is owned
     with life.building(weights, adapter) as stack:
         ctx = NativeContext(weights.native, params)
         stack.callback(ctx.free)
@@ -344,7 +351,7 @@ def _start_scheduler(
                 batch_tokens=params.n_batch, sequence_context=sequence_context,
                 queue_limit=settings.queue_limit, on_exit=owned.close,
                 pair_columns=weights.device == "cpu" and pairs_batch_columns(weights.facts.output_type),
-                name=f"aner-scheduler-{weights.facts.name}", prefixes=prefixes,
+                name=f"aner-scheduler-{weights.facts.name}", prefixes=prefixes, speculator=speculator,
             )
         except BaseException:
             owned.close()

@@ -23,15 +23,17 @@ from typing import Sequence
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS", "MIN_GAIN", "MIN_DRAFT_CAP", "MATCH_BUCKETS", "RowCosts", "FREE_ROWS",
-    "expected_tokens", "best_length", "DraftPolicy",
+    "expected_tokens", "best_length", "batch_drafts", "DraftPolicy",
 ]
 
 MAX_SPECULATIVE_TOKENS = 64
 # A draft must promise this much over plain decoding: its acceptance is an estimate from a few steps.
 MIN_GAIN = 0.05
-# Lookups are grouped by how many trailing tokens matched: (lower bound, prior acceptance). The priors
-# are where an estimate starts before the request has evidence: a long match is usually a copy.
+# Lookups are grouped by how many trailing tokens matched: (lower bound, expected acceptance). Before any
+# evidence a bucket expects that; evidence from any bucket shifts every bucket's expectation by as much
+# (DraftPolicy): a long match is usually a copy, a short one often a coincidence.
 MATCH_BUCKETS: tuple[tuple[int, float], ...] = ((2, 0.5), (4, 0.6), (8, 0.8), (16, 0.9))
+_POOLED_PRIOR = 0.7  # where the pooled estimate starts, the buckets' shifts being relative to it
 MIN_DRAFT_CAP = 4  # the draft cap for short matches (see DraftPolicy.length)
 _PRIOR_WEIGHT = 2.0  # the prior counts as this many observed steps
 _TIE = 1e-6
@@ -120,6 +122,47 @@ def best_length(p: float, limit: int, costs: RowCosts, *, min_gain: float = MIN_
     return next(d for d, rate in rates if rate >= best * (1.0 - _TIE))
 
 
+def batch_drafts(
+    offers: Sequence[tuple[int, float, int]], decoding: int, rows: int, room: int, costs: RowCosts,
+    *, min_gain: float = MIN_GAIN,
+) -> dict[int, int]:
+    """Proposals per sequence for one continuous-batching step: drafts only where they raise the step's speed.
+
+    ``offers`` are ``(sequence id, acceptance estimate, most proposals)`` for decoding sequences
+    with a draft; the step already holds ``rows`` rows, ``decoding`` of them decode rows (the
+    others prompt chunks), with ``room`` rows left in its token budget. The step's speed is its
+    tokens over its cost, where prompt rows are work the batch does anyway: cost =
+    ``D(decoding) + D(rows + drafts) - D(rows)``. Offers are taken by acceptance, best first; each
+    gets the count that makes the step fastest, and is kept only if the step then beats the
+    plain step by ``min_gain`` (the first) or beats what the drafts kept so far give (the
+    others). With one decoding sequence and no prompt rows this is :func:`best_length`.
+    """
+    base = costs.of(decoding) - costs.of(rows)
+    tokens, extra = float(decoding), 0
+
+    def speed(t: float, e: int) -> float:
+        return t / (base + costs.of(rows + e))
+
+    plain = speed(tokens, 0)
+    current = plain * (1.0 + min_gain)
+    chosen: dict[int, int] = {}
+    for seq, p, most in sorted(offers, key=lambda o: (-o[1], o[0])):
+        candidates = []
+        for d in range(1, min(most, room - extra) + 1):
+            total = rows + extra + d
+            if costs.measured and total <= len(costs.ratios) and total not in costs.measured:
+                continue
+            t = tokens + expected_tokens(p, d) - 1.0
+            candidates.append((d, speed(t, extra + d), t))
+        best = max((s for _, s, _ in candidates), default=0.0)
+        if best <= current * (1.0 + _TIE if chosen else 1.0):
+            continue
+        d, s, t = next(c for c in candidates if c[1] >= best * (1.0 - _TIE))  # the shortest of the near-best
+        chosen[seq] = d
+        tokens, extra, current = t, extra + d, s
+    return chosen
+
+
 def _bucket(match: int) -> int:
     index = 0
     for i, (low, _) in enumerate(MATCH_BUCKETS):
@@ -133,12 +176,15 @@ class DraftPolicy:
 
     Each bucket keeps decaying counts of accepted proposals and of first
     rejections (the estimate of a geometric run's continuation chance:
-    accepted over accepted plus rejections), started from the bucket's
-    prior. A bucket whose drafts keep failing falls below what its rows
-    cost and stops proposing; a longer match, its own bucket, still may.
-    Drafts from the request's own history and from earlier requests
-    (``source``) are estimated apart: an earlier answer that the new one
-    departs from must not silence the request's own copying, nor the reverse.
+    accepted over accepted plus rejections). Its prior is not fixed: it is
+    the request's pooled estimate over all buckets, shifted by how much
+    better than average that match length is expected to be
+    (``MATCH_BUCKETS``), so a request that keeps copying drafts after short
+    matches too, and one whose drafts keep failing stops drafting after
+    long ones as well; a bucket's own outcomes then take over. Drafts from
+    the request's own history and from earlier requests (``source``) are
+    estimated apart: an earlier answer that the new one departs from must
+    not silence the request's own copying, nor the reverse.
     """
 
     SOURCES = ("request", "lease")
@@ -148,14 +194,17 @@ class DraftPolicy:
             raise ValueError(f"maximum must be in 1..{MAX_SPECULATIVE_TOKENS}, got {maximum}")
         self.maximum = maximum
         self.costs = costs
-        self._accepted = {s: [p * _PRIOR_WEIGHT for _, p in MATCH_BUCKETS] for s in self.SOURCES}
-        self._rejected = {s: [(1 - p) * _PRIOR_WEIGHT for _, p in MATCH_BUCKETS] for s in self.SOURCES}
+        # per source: [accepted, rejections] pooled over every bucket, then per bucket (decaying)
+        self._pooled = {s: [_POOLED_PRIOR * _PRIOR_WEIGHT, (1 - _POOLED_PRIOR) * _PRIOR_WEIGHT] for s in self.SOURCES}
+        self._buckets = {s: [[0.0, 0.0] for _ in MATCH_BUCKETS] for s in self.SOURCES}
 
     def acceptance(self, match: int, source: str = "request") -> float:
         """The current estimate of the chance that a proposal after a ``match``-token match is accepted."""
+        pooled_a, pooled_r = self._pooled[source]
         b = _bucket(match)
-        accepted, rejected = self._accepted[source][b], self._rejected[source][b]
-        return accepted / (accepted + rejected)
+        prior = min(max(pooled_a / (pooled_a + pooled_r) + MATCH_BUCKETS[b][1] - _POOLED_PRIOR, 0.0), 1.0)
+        accepted, rejected = self._buckets[source][b]
+        return (accepted + _PRIOR_WEIGHT * prior) / (accepted + rejected + _PRIOR_WEIGHT)
 
     def length(self, match: int, available: int, source: str = "request") -> int:
         """Proposals worth verifying out of ``available`` offered after a ``match``-token match.
@@ -165,16 +214,20 @@ class DraftPolicy:
         the answer departs from its source, which a per-token acceptance estimate does not
         foresee; the cap bounds what one departure costs to about what was just confirmed.
         """
-        limit = min(self.maximum, available, max(MIN_DRAFT_CAP, match))
+        limit = self.limit(match, available)
         if limit <= 0:
             return 0
         return best_length(self.acceptance(match, source), limit, self.costs)
+
+    def limit(self, match: int, available: int) -> int:
+        """The most proposals a step may verify after a ``match``-token match with ``available`` offered."""
+        return max(min(self.maximum, available, max(MIN_DRAFT_CAP, match)), 0)
 
     def update(self, match: int, proposed: int, accepted: int, source: str = "request") -> None:
         """Record a verification step: ``accepted`` of ``proposed`` proposals after a ``match``-token match."""
         if proposed <= 0:
             return
-        b = _bucket(match)
-        counts_a, counts_r = self._accepted[source], self._rejected[source]
-        counts_a[b] = _DECAY * counts_a[b] + accepted
-        counts_r[b] = _DECAY * counts_r[b] + (1.0 if accepted < proposed else 0.0)
+        rejected = 1.0 if accepted < proposed else 0.0
+        for counts in (self._pooled[source], self._buckets[source][_bucket(match)]):
+            counts[0] = _DECAY * counts[0] + accepted
+            counts[1] = _DECAY * counts[1] + rejected

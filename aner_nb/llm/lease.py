@@ -233,7 +233,7 @@ class LLMModel(Lease):
     def with_batching(
         self, max_sequences: int, *, prefix_cache_entries: int = 0, prefix_cache_tokens: int = 2048,
         prefix_cache_ram_bytes: int = 0, prefix_cache_dir: "str | os.PathLike[str] | None" = None,
-        prefix_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+        prefix_cache_disk_bytes: int = DEFAULT_DISK_BYTES, speculative_tokens: int = 0,
     ) -> BatchingModel:
         """A throughput lease on the same weights: one shared context decoding up to ``max_sequences`` requests.
 
@@ -251,13 +251,17 @@ class LLMModel(Lease):
         ``prefix_cache_disk_bytes`` keep entries evicted from the spare streams
         (and, with a directory, every evaluated prompt) in host RAM and on disk,
         as on :meth:`with_optimizer`.
+        ``speculative_tokens`` (0..64) lets plain greedy requests verify
+        prompt-lookup proposals inside the shared steps, where the measured row
+        costs say they raise the step's speed (:func:`~aner_nb.llm.draft_policy.batch_drafts`);
+        sampled and constrained requests decode one token per step beside them.
         """
         self._check_open("with_batching()")
         settings = BatchingSettings(max_sequences=max_sequences)
         optimizer = replace(
             self._profile.optimizer, prefix_cache_entries=prefix_cache_entries, prefix_cache_tokens=prefix_cache_tokens,
             prefix_cache_ram_bytes=prefix_cache_ram_bytes, prefix_cache_dir=prefix_cache_dir,
-            prefix_cache_disk_bytes=prefix_cache_disk_bytes,
+            prefix_cache_disk_bytes=prefix_cache_disk_bytes, speculative_tokens=speculative_tokens,
         )
         check_source_profile(self._profile, settings)
         return BatchingModel(self._weights, self._profile.with_(batching=settings, optimizer=optimizer), adapter=self._adapter)

@@ -49,13 +49,15 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .context_pool import free_all
 from .errors import BusyError, ClosedError, EngineError
 from .outbox import POLL_S, Request
-from .runner import SequenceOutput
+from .runner import SequenceOutput, SpeculationCounts
 from .sampling import new_sampler
 from .scheduler_stats import SchedulerCounters, SchedulerStats, stat_fields
 from .sequence import ENDED, Phase, SequenceState
 from .shared_prefix import SharedPrefixes
-from .step_policy import (DECODE, PAD, AdmissionPolicy, BatchPlan, FifoAdmission, compaction_moves, kv_victim,
-                          next_sequence_id, plan_batch)
+from .draft_policy import batch_drafts
+from .speculation import Speculator
+from .step_policy import (DECODE, PAD, AdmissionPolicy, BatchPlan, FifoAdmission, Rows, compaction_moves,
+                          draft_room, kv_victim, next_sequence_id, plan_batch)
 from .prefix_tiers import TIER_CODES
 from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, PrefixTierTimings, QueueTimings, TimingsPart
 
@@ -93,6 +95,7 @@ class Scheduler:
         name: str = "aner-scheduler",
         admission: AdmissionPolicy | None = None,
         prefixes: SharedPrefixes | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if batch.capacity < batch_tokens:
             raise ValueError(f"batch capacity {batch.capacity} < batch_tokens {batch_tokens}")
@@ -104,6 +107,8 @@ class Scheduler:
         self.pair_columns = pair_columns
         self.admission: AdmissionPolicy = FifoAdmission() if admission is None else admission
         self.prefixes = prefixes  # its streams are sequence ids >= max_sequences
+        # Prompt lookup for plain greedy requests: measured row costs, the lease's corpus (this thread only).
+        self.speculator = speculator
         self._fresh_streams: set[int] = set()
         self._ctx = ctx
         self._batch = batch
@@ -296,6 +301,10 @@ class Scheduler:
         for part in self._start_from_prefix(r):
             job.add(part)
         r.sampler = new_sampler(self.model, job.request, job.grammar, job.prompt_tokens)
+        if self.speculator is not None and job.request.plain_argmax and r.sampler is None:
+            # Plain greedy requests speculate; sampled or constrained ones decode one token per step.
+            r.drafts_of = self.speculator.start(job.prompt_tokens)
+            r.out.speculation = SpeculationCounts()
 
     def _start_from_prefix(self, r: SequenceState) -> tuple[TimingsPart, ...]:
         """Copy the best shared prefix into the request's stream; the timings parts say what was reused."""
@@ -407,8 +416,31 @@ class Scheduler:
             return None
         return plan_batch(
             decoding, prefilling, self.batch_tokens, pair_columns=self.pair_columns,
-            active=[r.seq for r in self._active], free=self._free,
+            active=[r.seq for r in self._active], free=self._free, drafts=self._drafts(decoding, prefilling),
         )
+
+    def _drafts(self, decoding: list[int], prefilling: list[tuple[int, int]]) -> dict[int, int]:
+        """Proposals per decoding sequence for this step (:func:`batch_drafts`); each keeps its draft's tokens."""
+        if self.speculator is None:
+            return {}
+        rows, room = draft_room(decoding, prefilling, self.batch_tokens)
+        offers, drafts = [], {}
+        for r in self._active:
+            r.pending_drafts = []
+            if r.drafts_of is None or r.seq not in decoding or room <= 0:
+                continue
+            assert r.out is not None
+            # Room: the output limit, and the sequence's own KV cells (positions pos+1.. hold proposals).
+            left = min(r.job.request.max_tokens - len(r.out.tokens), self.sequence_context - r.pos) - 1
+            offered = r.drafts_of.offer(left)
+            if offered is not None and offered[2] > 0:
+                drafts[r.seq] = (r, offered[0])
+                offers.append((r.seq, offered[1], offered[2]))
+        chosen = batch_drafts(offers, len(decoding), rows, room, self.speculator.costs)
+        for seq, d in chosen.items():
+            r, draft = drafts[seq]
+            r.pending_drafts = r.drafts_of.take(draft, d)  # type: ignore[union-attr]
+        return chosen
 
     def _fill(self, plan: BatchPlan, by_seq: dict[int, SequenceState]) -> None:
         """Write the planned rows into the batch; logits only where the plan samples or pads."""
@@ -420,6 +452,8 @@ class Scheduler:
             elif rows.kind == DECODE:
                 r = by_seq[rows.seq]
                 row = batch.add(r.next_token, r.pos, rows.seq, logits=True)
+                for i, token in enumerate(r.pending_drafts):  # proposals go right after it, each with logits
+                    row = batch.add(token, r.pos + 1 + i, rows.seq, logits=True)
             else:
                 r = by_seq[rows.seq]
                 lo = r.evaluated  # prompt tokens already in the KV, at positions 0..lo-1
@@ -471,8 +505,13 @@ class Scheduler:
             elif r.evaluated_chunk(rows.count):  # the whole prompt is in the KV: the first sampled token goes after it
                 r.out.prompt_eval_duration = t_done - r.out.t_work
                 self._retain(r)
-        for seq, row in plan.sampled:
-            self._sample(by_seq[seq], row)
+        for rows in plan.rows:
+            if rows.kind == PAD or not rows.sampled:
+                continue
+            if rows.drafts:
+                self._verify(by_seq[rows.seq], rows)
+            else:
+                self._sample(by_seq[rows.seq], rows.last)
 
     def _decode(self, batch: Batch, pad_seq: int) -> int:
         """One ``llama_decode``; a padding row's cell is removed again whatever the outcome."""
@@ -483,9 +522,49 @@ class Scheduler:
                 raise EngineError(f"llama.cpp refused to clear padding sequence {pad_seq}")
 
     def _sample(self, r: SequenceState, row: int) -> None:
-        out = r.out
         try:
             token = self._ctx.greedy(row) if r.sampler is None else r.sampler.sample(self._ctx, row)
+            self._emit(r, [(token, row)])
+        except BaseException as exc:  # a text callback or the tokenizer failed: this request only
+            self._fail(r, exc)
+
+    def _verify(self, r: SequenceState, rows: Rows) -> None:
+        """Greedy verification of ``[next_token, d0, ..]``: keep the agreeing proposals, drop the rest's KV.
+
+        Row ``first + i`` holds the choice after proposal ``i - 1``; proposals count while they equal
+        it, and the first disagreement is replaced by the model's own choice (as ``runner._verify``).
+        """
+        try:
+            drafts = r.pending_drafts
+            verified: list[tuple[int, int]] = []
+            for i, draft in enumerate(drafts):
+                verified.append((self._ctx.greedy(rows.first + i), rows.first + i))
+                if verified[-1][0] != draft:
+                    break
+            else:
+                verified.append((self._ctx.greedy(rows.last), rows.last))
+            accepted = len(verified) - 1
+            # fed() moved pos past next_token; the accepted proposals follow it in the KV.
+            rejected_from = r.pos + accepted
+            r.pos = rejected_from
+            if accepted < len(drafts) and not self._ctx.seq_rm(r.seq, rejected_from, -1):
+                raise EngineError(f"could not remove rejected proposals at positions {rejected_from}..")
+            counts = r.out.speculation
+            assert counts is not None and r.drafts_of is not None
+            counts.proposed += len(drafts)
+            counts.accepted += accepted
+            counts.verification_steps += 1
+            r.drafts_of.record(len(drafts), accepted)
+            with self._cv:
+                self._counts.decoded_tokens += accepted  # the step counted one token for this sequence
+            self._emit(r, verified)
+        except BaseException as exc:
+            self._fail(r, exc)
+
+    def _emit(self, r: SequenceState, tokens: list[tuple[int, int]]) -> None:
+        """Accept verified ``(token, logits row)`` pairs in order until the request ends; the last is fed next."""
+        out = r.out
+        for token, row in tokens:
             piece = out.accept(token, out.score(self._ctx, row, token))  # logprobs from this row (if asked)
             if piece:
                 r.deliver(piece)
@@ -494,10 +573,10 @@ class Scheduler:
                 if tail:
                     r.deliver(tail)
                 self._complete(r, None)
-            else:
-                r.next_token = token
-        except BaseException as exc:  # a text callback or the tokenizer failed: this request only
-            self._fail(r, exc)
+                return
+        if r.drafts_of is not None:
+            r.drafts_of.extend([token for token, _ in tokens])
+        r.next_token = tokens[-1][0]
 
     def _batch_timings(self, r: SequenceState) -> BatchTimings:
         return BatchTimings(
@@ -513,6 +592,8 @@ class Scheduler:
         r.job.add(self._batch_timings(r))
         out.evaluated_prompt_tokens = r.evaluated - r.cached
         response = out.response(reason)
+        if r.drafts_of is not None and response.finish_reason != "cancelled":
+            r.drafts_of.finish(out.tokens)  # the lease's corpus: a later request may repeat this answer
         self._release(r)
         phase = Phase.CANCELLED if response.finish_reason == "cancelled" else Phase.FINISHED
         with self._cv:

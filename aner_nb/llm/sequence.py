@@ -10,7 +10,8 @@ slot:
 * ``PREFILL``: admitted with a sequence id; prompt tokens are still to be
   evaluated (chunked, several steps when the step budget is shared);
 * ``DECODE``: the whole prompt is in the KV; each step feeds back the last
-  sampled token (one row) and samples the next;
+  sampled token (one row, plus the prompt-lookup proposals chosen for the
+  step on a speculative lease) and samples or verifies what follows;
 * ``FINISHED``: ended with a Response (a stop or the length limit);
 * ``CANCELLED``: ended with a cancelled Response, queued or running;
 * ``FAILED``: ended with an error (``error``), or the scheduler stopped.
@@ -37,6 +38,7 @@ from .runner import Job, SequenceOutput
 
 if TYPE_CHECKING:
     from .outbox import Outbox
+    from .speculation import RequestDrafts
 
 __all__ = ["Phase", "SequenceState", "RUNNING", "ENDED"]
 
@@ -86,6 +88,10 @@ class SequenceState:
         self.step_tokens = 0
         self.peak = 0
         self.deferred = False  # waited for a shared prefix (counted once)
+        # Speculative batching (plain greedy requests): the request's lookup state, and the proposals
+        # this step verifies after ``next_token`` (at positions pos+1..).
+        self.drafts_of: "RequestDrafts | None" = None
+        self.pending_drafts: list[int] = []
 
     def __repr__(self) -> str:
         return f"<SequenceState {self.phase.value} seq={self.seq} evaluated={self.evaluated} pos={self.pos}>"

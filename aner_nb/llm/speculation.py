@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from ._engine import ContextParams
-from .draft_policy import FREE_ROWS, DraftPolicy, RowCosts
+from .draft_policy import FREE_ROWS, DraftPolicy, RowCosts, best_length
 from .lookup import Draft, LookupCorpus, NgramIndex
 from .row_costs import row_costs
 
@@ -67,21 +67,37 @@ class RequestDrafts:
     def extend(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
 
-    def propose(self, room: int) -> list[int]:
-        """The proposals worth verifying next (at most ``room``; [] for a plain step)."""
+    def offer(self, room: int) -> "tuple[Draft, float, int] | None":
+        """The next draft, its acceptance estimate and how much of it may be verified (None: nothing to offer).
+
+        At most ``room`` proposals (the request's output limit and KV room); the outcome of
+        verifying it goes to :meth:`record`.
+        """
         limit = min(self._speculator.maximum, room)
         if limit <= 0:
-            return []
+            return None
         corpus = self._speculator.corpus
         draft = choose_draft(
             self.index.lookup(limit), corpus.lookup(self.index.tokens, limit) if corpus is not None else None
         )
         if draft is None:
+            return None
+        self._last = draft
+        return draft, self.policy.acceptance(draft.match, draft.source), self.policy.limit(draft.match, len(draft.tokens))
+
+    def propose(self, room: int) -> list[int]:
+        """The proposals worth verifying next on their own (at most ``room``; [] for a plain step)."""
+        offered = self.offer(room)
+        if offered is None:
             return []
-        length = self.policy.length(draft.match, len(draft.tokens), draft.source)
+        draft, p, limit = offered
+        length = best_length(p, limit, self._speculator.costs) if limit > 0 else 0
+        return self.take(draft, length)
+
+    def take(self, draft: Draft, length: int) -> list[int]:
+        """The first ``length`` tokens of ``draft``, which the next step verifies."""
         if length and draft.source == "lease":
             self.lease_drafts += 1
-        self._last = draft
         return list(draft.tokens[:length])
 
     def record(self, proposed: int, accepted: int) -> None:

@@ -40,7 +40,7 @@ Admission order is a policy object; the default is first in, first out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, TypeVar
+from typing import Mapping, Protocol, Sequence, TypeVar
 
 __all__ = [
     "StepPlan",
@@ -55,6 +55,7 @@ __all__ = [
     "share_budget",
     "plan_step",
     "plan_batch",
+    "draft_room",
     "next_sequence_id",
     "compaction_moves",
     "kv_victim",
@@ -136,6 +137,12 @@ def plan_step(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], ba
     chunks = share_budget([n for _, n in prefilling], batch_tokens - len(decoding))
     prefill = tuple((seq, n) for (seq, _), n in zip(prefilling, chunks) if n > 0)
     return StepPlan(tuple(decoding), prefill)
+
+
+def draft_room(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], batch_tokens: int) -> tuple[int, int]:
+    """``(rows, room)`` of the plain step :func:`plan_step` plans: its rows and the budget it leaves for drafts."""
+    n = plan_step(decoding, prefilling, batch_tokens).n_tokens
+    return n, batch_tokens - n
 
 
 def next_sequence_id(active: Sequence[int], free: Sequence[int]) -> int:
@@ -238,6 +245,9 @@ class Rows:
     count: int
     kind: str  # DECODE: the last sampled token fed back; PREFILL: a prompt chunk; PAD: a throwaway token
     sampled: bool  # the last row's logits are sampled (a decode row, or a chunk that ends its prompt)
+    # DECODE only: prompt-lookup proposals after the fed-back token (``count`` = 1 + drafts), every
+    # row with logits: row ``first + i`` holds the model's choice after the i-th proposal.
+    drafts: int = 0
 
     @property
     def last(self) -> int:
@@ -284,6 +294,7 @@ def plan_batch(
     pair_columns: bool = False,
     active: Sequence[int] | None = None,
     free: Sequence[int] = (),
+    drafts: Mapping[int, int] | None = None,
 ) -> BatchPlan:
     """Plan one step's batch: :func:`plan_step`, laid out by sequence id, plus the padding decision.
 
@@ -293,24 +304,30 @@ def plan_batch(
     the last prompt row that is not sampled gets it; a step without such a
     row puts one token in a free id next to the active ones (so it joins
     their micro-batch), if the batch has room; otherwise the step goes
-    unpadded.
+    unpadded. ``drafts`` gives decoding sequences proposals to verify after
+    their decode row (chosen by the caller within the rows the plan leaves:
+    :func:`draft_room`); their rows have logits too.
     """
     step = plan_step(decoding, prefilling, batch_tokens)
+    drafts = {seq: d for seq, d in (drafts or {}).items() if d > 0}
+    if set(drafts) - set(step.decode) or step.n_tokens + sum(drafts.values()) > batch_tokens:
+        raise ValueError(f"drafts {drafts} must be for decoding sequences and fit batch_tokens={batch_tokens}")
     left = dict(prefilling)
     ending = {seq for seq, n in step.prefill if n == left[seq]}
-    sampled = len(step.decode) + len(ending)
+    sampled = len(step.decode) + sum(drafts.values()) + len(ending)  # rows with logits
     pad = output_rows(sampled, pair_columns) > sampled
     has_spare = step.n_tokens - len(step.decode) > len(ending)  # a prompt row that is not sampled
-    layout = list(step.layout())
+    layout = [(seq, n + drafts.get(seq, 0)) for seq, n in step.layout()]
+    n_rows = step.n_tokens + sum(drafts.values())
     pad_seq = -1
-    if pad and not has_spare and free and step.n_tokens < batch_tokens:
+    if pad and not has_spare and free and n_rows < batch_tokens:
         pad_seq = next_sequence_id([*decoding, *left] if active is None else active, free)
         layout = sorted([*layout, (pad_seq, 1)])
     decode = set(step.decode)
     rows, first = [], 0
     for seq, n in layout:
         kind = PAD if seq == pad_seq else DECODE if seq in decode else PREFILL
-        rows.append(Rows(seq, first, n, kind, sampled=kind == DECODE or seq in ending))
+        rows.append(Rows(seq, first, n, kind, sampled=kind == DECODE or seq in ending, drafts=drafts.get(seq, 0)))
         first += n
     spare = -1
     if pad and has_spare:  # a chunk's last unsampled row: its last, or the one before a sampled last

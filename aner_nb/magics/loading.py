@@ -148,20 +148,23 @@ class LoadingMagics(MagicsBase):
     @subcommand(
         "batch",
         usage="%llm batch SRC [--as NAME] --max-sequences N [--prefix-cache-entries N] [--prefix-cache-tokens N] "
-        + _TIER_USAGE,
+        "[--speculative-tokens N] " + _TIER_USAGE,
         description="Derive a continuous-batching (throughput) lease serving up to N sequences at once "
         "(default NAME: SRC_batch); with --prefix-cache-entries, evaluated prompt prefixes (a shared system "
-        "prompt) are kept and copied into later requests instead of evaluated again.",
-        python="NAME = SRC.with_batching(N, prefix_cache_entries=N, prefix_cache_tokens=N, " + _TIER_PYTHON + ")",
+        "prompt) are kept and copied into later requests instead of evaluated again; with --speculative-tokens, "
+        "plain greedy requests verify prompt-lookup proposals where the measured row costs say they pay.",
+        python="NAME = SRC.with_batching(N, prefix_cache_entries=N, prefix_cache_tokens=N, speculative_tokens=N, "
+        + _TIER_PYTHON + ")",
     )
     @SOURCE
     @NEW_HANDLE
     @argument("--max-sequences", type=int_arg, metavar="N", required=True)
     @argument("--prefix-cache-entries", type=int_arg, metavar="N")
     @argument("--prefix-cache-tokens", type=int_arg, metavar="N")
+    @argument("--speculative-tokens", type=int_arg, metavar="N")
     @arguments(_tier_arguments)
     def _llm_batch(self, args: Any) -> None:
-        settings = {k: getattr(args, k) for k in ("prefix_cache_entries", "prefix_cache_tokens")
+        settings = {k: getattr(args, k) for k in ("prefix_cache_entries", "prefix_cache_tokens", "speculative_tokens")
                     if getattr(args, k) is not None}
         settings.update(_tier_settings(args))
         self._derive("batch", args.src, args.name, "batch", "with_batching", args.max_sequences, **settings)
