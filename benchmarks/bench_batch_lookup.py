@@ -30,6 +30,7 @@ import time
 
 from _models import GEMMA, add_model_option, header, manifest_fields, resolve
 from _workloads import TOPICS, evidence
+from bench_lookup import spread
 
 from aner_nb import bench
 
@@ -65,10 +66,6 @@ def run_concurrently(lease, prompts: list[str], max_tokens: int) -> tuple[float,
     for t in threads:
         t.join()
     return time.perf_counter() - t0, out
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def main() -> None:

@@ -7,9 +7,8 @@ nothing there); the gating itself is pure arithmetic (``test_draft_policy.py``).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from test_batching import concurrently
 
 from aner_nb import llm
 
@@ -17,25 +16,6 @@ CTX = 2048
 REPETITIVE = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta, alpha beta gamma delta,"
 PROMPTS = [REPETITIVE, "the cat sat on the mat and", "a b c d e f g " * 3, "Write one new sentence about weather."]
 MAX_TOKENS = [40, 30, 36, 24]
-
-
-def concurrently(fn, n):
-    out: list = [None] * n
-    barrier = threading.Barrier(n)
-
-    def run(i):
-        barrier.wait()
-        try:
-            out[i] = fn(i)
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

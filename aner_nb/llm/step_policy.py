@@ -35,6 +35,10 @@ over the output weights (:func:`output_rows`). A finished sequence's cells
 are removed at once and its id admits queued work on the next step, so a
 short request that arrives late can finish before an earlier long one.
 Admission order is a policy object; the default is first in, first out.
+On a speculative batching lease a decoding sequence's rows may carry
+prompt-lookup proposals after its fed-back token (``Rows.drafts``), in the
+rows the plain plan leaves (:func:`draft_room`); which sequences draft, and
+how much, is :func:`aner_nb.llm.draft_policy.batch_drafts`.
 """
 
 from __future__ import annotations
