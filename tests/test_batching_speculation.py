@@ -90,3 +90,13 @@ def test_speculative_tokens_on_batching_are_validated(llama_path):
             base.with_batching(2, speculative_tokens=65)
         with base.with_batching(2) as plain:
             assert not plain.supports("speculative")
+
+
+def test_requests_a_speculative_batching_lease_cannot_verify_decode_plainly_beside_it(free_rows, llama_path):
+    """Biased, penalised and constrained requests are served as on a plain batching lease, without proposals."""
+    with llm.load(llama_path, context=CTX) as base, base.with_batching(2, speculative_tokens=8) as serving:
+        for options in (dict(logit_bias={5: 2.0}), dict(repeat_penalty=1.3), dict(grammar='root ::= "a" [a-z]*')):
+            alone = base.generate(REPETITIVE, max_tokens=12, **options)
+            batched = serving.generate(REPETITIVE, max_tokens=12, **options)
+            assert batched.tokens == alone.tokens, options
+            assert batched.timings.speculative_proposed_tokens == -1
