@@ -407,7 +407,7 @@ def run_request(
     With a ``speculator`` (greedy only), each step evaluates the pending
     token plus the prompt-lookup proposals its policy finds worth their
     rows (up to ``speculator.maximum``) in one batch and keeps the proposals
-    the model agrees with (see :func:`_verify`); a completed request adds
+    the model agrees with (see :func:`verify_drafts`); a completed request adds
     its prompt and answer to the lease's corpus.
 
     The generator returns the Response. On cancellation (``job.cancel`` set,
@@ -448,9 +448,9 @@ def run_request(
             drafts = _drafts(ctx, out, drafts_of, pos)
             _decode(ctx, batch, out, verified[-1], pos, drafts)
             if drafts:
-                verified = _verify(ctx, drafts)
+                verified = verify_drafts(ctx, drafts)
                 scores = [out.score(ctx, i, token) for i, token in enumerate(verified)]  # row i chose token i
-                pos = _keep_accepted(ctx, out, drafts_of, pos, drafts, len(verified) - 1)
+                pos = keep_accepted(ctx, out, drafts_of, pos, drafts, len(verified) - 1)
             else:
                 verified = [ctx.greedy(0) if sampler is None else sampler.sample(ctx, 0)]
                 scores = [out.score(ctx, 0, verified[0])]
@@ -518,11 +518,12 @@ def _decode(
         raise EngineError(f"no KV slot for positions {pos}..{pos + len(drafts)} (context {ctx.n_ctx})")
 
 
-def _keep_accepted(
+def keep_accepted(
     ctx: NativeContext, out: SequenceOutput, drafts_of: RequestDrafts | None, pos: int, drafts: Sequence[int],
     accepted: int,
 ) -> int:
-    """Count ``accepted`` of ``drafts``, drop the rejected rows' KV; returns the next pending position."""
+    """Count ``accepted`` of ``drafts`` verified after the token at ``pos``, drop the rejected rows' KV
+    (in the job's sequence); returns the next pending position. Shared with the batching scheduler."""
     drafts_of.record(len(drafts), accepted)  # type: ignore[union-attr]
     counts = out.speculation
     assert counts is not None
@@ -535,10 +536,10 @@ def _keep_accepted(
     return pos + 1 + accepted
 
 
-def _verify(ctx: NativeContext, drafts: Sequence[int]) -> list[int]:
-    """Greedy verification of one batch ``[pending, d0, d1, ...]`` (logits on every row).
+def verify_drafts(ctx: NativeContext, drafts: Sequence[int], first: int = 0) -> list[int]:
+    """Greedy verification of the rows ``[pending, d0, d1, ...]`` starting at batch row ``first`` (logits on each).
 
-    Row ``i`` holds the model's choice after ``d0..d(i-1)``. Proposals are kept
+    Row ``first + i`` holds the model's choice after ``d0..d(i-1)``. Proposals are kept
     while they equal that choice; the first disagreement is replaced by the
     model's own token (the correction), and if all agree the last row yields
     one more token. Returns the verified tokens: accepted proposals plus that
@@ -546,10 +547,10 @@ def _verify(ctx: NativeContext, drafts: Sequence[int]) -> list[int]:
     """
     verified = []
     for i, draft in enumerate(drafts):
-        choice = ctx.greedy(i)
+        choice = ctx.greedy(first + i)
         verified.append(choice)
         if choice != draft:
             return verified
-    verified.append(ctx.greedy(len(drafts)))
+    verified.append(ctx.greedy(first + len(drafts)))
     return verified
 

@@ -49,7 +49,7 @@ from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .context_pool import free_all
 from .errors import BusyError, ClosedError, EngineError
 from .outbox import POLL_S, Request
-from .runner import SequenceOutput, SpeculationCounts
+from .runner import SequenceOutput, SpeculationCounts, keep_accepted, verify_drafts
 from .sampling import new_sampler
 from .scheduler_stats import SchedulerCounters, SchedulerStats, stat_fields
 from .sequence import ENDED, Phase, SequenceState
@@ -531,33 +531,18 @@ class Scheduler:
     def _verify(self, r: SequenceState, rows: Rows) -> None:
         """Greedy verification of ``[next_token, d0, ..]``: keep the agreeing proposals, drop the rest's KV.
 
-        Row ``first + i`` holds the choice after proposal ``i - 1``; proposals count while they equal
-        it, and the first disagreement is replaced by the model's own choice (as ``runner._verify``).
+        The runner's rule and bookkeeping (:func:`~aner_nb.llm.runner.verify_drafts`,
+        :func:`~aner_nb.llm.runner.keep_accepted`) on this sequence's rows of the step.
         """
         try:
             drafts = r.pending_drafts
-            verified: list[tuple[int, int]] = []
-            for i, draft in enumerate(drafts):
-                verified.append((self._ctx.greedy(rows.first + i), rows.first + i))
-                if verified[-1][0] != draft:
-                    break
-            else:
-                verified.append((self._ctx.greedy(rows.last), rows.last))
-            accepted = len(verified) - 1
-            # fed() moved pos past next_token; the accepted proposals follow it in the KV.
-            rejected_from = r.pos + accepted
-            r.pos = rejected_from
-            if accepted < len(drafts) and not self._ctx.seq_rm(r.seq, rejected_from, -1):
-                raise EngineError(f"could not remove rejected proposals at positions {rejected_from}..")
-            counts = r.out.speculation
-            assert counts is not None and r.drafts_of is not None
-            counts.proposed += len(drafts)
-            counts.accepted += accepted
-            counts.verification_steps += 1
-            r.drafts_of.record(len(drafts), accepted)
+            tokens = verify_drafts(self._ctx, drafts, rows.first)
+            accepted = len(tokens) - 1
+            # fed() moved pos past next_token; the accepted proposals follow it in the stream's KV.
+            r.pos = keep_accepted(self._ctx, r.out, r.drafts_of, r.pos - 1, drafts, accepted)
             with self._cv:
                 self._counts.decoded_tokens += accepted  # the step counted one token for this sequence
-            self._emit(r, verified)
+            self._emit(r, [(token, rows.first + i) for i, token in enumerate(tokens)])
         except BaseException as exc:
             self._fail(r, exc)
 

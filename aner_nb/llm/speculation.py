@@ -62,7 +62,6 @@ class RequestDrafts:
         self.index = NgramIndex(prompt)
         self.policy = DraftPolicy(speculator.maximum, speculator.costs)
         self._last: Draft | None = None
-        self.lease_drafts = 0  # steps whose draft came from an earlier request
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.index.extend(tokens)
@@ -96,8 +95,6 @@ class RequestDrafts:
 
     def take(self, draft: Draft, length: int) -> list[int]:
         """The first ``length`` tokens of ``draft``, which the next step verifies."""
-        if length and draft.source == "lease":
-            self.lease_drafts += 1
         return list(draft.tokens[:length])
 
     def record(self, proposed: int, accepted: int) -> None:
