@@ -288,9 +288,9 @@ def test_an_entry_demoted_while_its_write_through_is_queued_is_not_serialised_ag
         assert release.wait(120)
         real_write(path, data)
 
-    def counted(self, seq, into):
+    def counted(self, seq, into, **kw):
         copies.append(seq)
-        return real_copy(self, seq, into)
+        return real_copy(self, seq, into, **kw)
 
     monkeypatch.setattr(kv_identity, "write_atomic", slow_disk)
     monkeypatch.setattr(_engine.NativeContext, "seq_state_copy", counted)

@@ -313,10 +313,12 @@ def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
 
 
 def test_gemma_prefixes_restored_from_saved_states_equal_the_uncached_run():
-    """A sliding-window model's prefix from the RAM tier (a saved state: only the window's cells, loaded
-    into the context's first cells) gives the uncached run's logprobs bit for bit, for prompts longer than
-    the window whose lengths cover every residue of the softmax's lanes: the tier's shape puts restore
-    points on whole blocks of them (``reuse.for_restored_windows``)."""
+    """A sliding-window model's prefix from the RAM tier gives the uncached run's logprobs bit for bit, for
+    prompts longer than the window whose lengths cover every residue of the softmax's lanes, whole or cut
+    below the stored entry's end. A latency lease saves its whole context (``KVIdentity.state ==
+    "context"``: every cell, loaded back into its own cell); a per-sequence state would keep only the
+    window's cells and load them into the first cells, which rounds the softmax differently unless the
+    restore point is a whole block of lanes and cannot be cut at all."""
     from aner_nb.llm import _engine
     import platform
 
@@ -325,21 +327,39 @@ def test_gemma_prefixes_restored_from_saved_states_equal_the_uncached_run():
     prompt = LEDGER * 4 + "Who is the clerk?"
     with demo("gemma") as model:
         tiered = dict(prefix_cache_entries=1, threads=2, prefill_threads=2, prefix_cache_ram_bytes=256 << 20)
+        lanes = softmax_lanes(_engine.build_flags(), machine=platform.machine(), on_cpu=True)
         with model.with_optimizer(**tiered) as probe, model.with_optimizer(prefix_cache_entries=1) as untiered:
-            lanes = softmax_lanes(_engine.build_flags(), machine=platform.machine(), on_cpu=True)
-            assert probe.reuse_shape == untiered.reuse_shape == for_restored_windows(probe._weights.reuse_shape, lanes)
-            assert probe.reuse_shape.row_block == max(lanes, ROW_BLOCK) and not probe.reuse_shape.ragged_body
+            assert probe.reuse_shape == untiered.reuse_shape == probe._weights.reuse_shape
+            # several sequences (batching) restore per-sequence states: their restore points are lane-aligned
+            assert probe._weights.reuse_shape_for(4) == for_restored_windows(probe._weights.reuse_shape, lanes)
+        n_swa = model._weights.native.n_swa
         seen = set()
         for cut in range(lanes + 1):
             text = prompt + " Say" + " yes" * cut  # one more token each
             n = len(model.prompt_tokens(text))
-            assert n > model._weights.native.n_swa + 2 * lanes
+            assert n > n_swa + 2 * lanes
             with model.with_optimizer(prefix_cache_entries=1, threads=2, prefill_threads=2) as cold_lease:
                 cold = cold_lease.generate(text, max_tokens=6, logprobs=True, top_logprobs=3)
             with model.with_optimizer(**tiered) as lease:
                 lease.generate(text, max_tokens=2)
                 lease.generate("An unrelated short question?", max_tokens=2)  # the long entry goes to RAM
                 warm = lease.generate(text, max_tokens=6, logprobs=True, top_logprobs=3)
+                skips = dict(lease.prefix_tier_stats()["skips"])
+            if cut % 3 == 0:
+                # the only stored entry is a longer prompt's, cut below its end (inside the window) on restore
+                longer = text + " And what is the ledger's date?"
+                ids, longer_ids = model.prompt_tokens(text), model.prompt_tokens(longer)
+                with model.with_optimizer(**tiered) as lease:
+                    lease.generate(longer, max_tokens=2)
+                    lease.generate("An unrelated short question?", max_tokens=2)
+                    cut_warm = lease.generate(text, max_tokens=6, logprobs=True, top_logprobs=3)
+                    shape, stored = lease.reuse_shape, lease.reuse_shape.retained_rows(len(longer_ids), len(longer_ids))
+                    skips.update({f"cut {k}": v for k, v in lease.prefix_tier_stats()["skips"].items()})
+                common = next((i for i, (a, b) in enumerate(zip(ids, longer_ids)) if a != b), min(len(ids), len(longer_ids)))
+                assert cut_warm.timings.prefix_cache_tier == llm.prefix_tiers.TIER_CODES["ram"], cut
+                assert n_swa < cut_warm.usage.cached_input_tokens == shape.restore_point(min(common, stored), n, stored) < stored
+                assert logprob_rows(cut_warm) == logprob_rows(cold), (cut, n, "cut")
+            assert not any(skips.values()), skips
             assert warm.timings.prefix_cache_tier == llm.prefix_tiers.TIER_CODES["ram"], cut
             assert warm.usage.cached_input_tokens == lease.reuse_shape.reuse_limit(n)
             assert logprob_rows(warm) == logprob_rows(cold), (cut, n)

@@ -97,9 +97,12 @@ class KVIdentity:
     """Everything that must be equal for a saved sequence state to be valid in a context.
 
     ``n_swa`` is the model's sliding window (0: none) and ``swa_full`` whether the
-    context keeps the full SWA cache. Either way a sliding-window state holds only
-    the window of its last position, so it restores exactly only when reused from
-    its end or its last token: :meth:`min_keep`, :meth:`check_reuse`.
+    context keeps the full SWA cache. ``state`` names the llama.cpp state the
+    payload is: ``"sequence"`` (``llama_state_seq_*``: a sliding-window state
+    holds only the window of its last position, so it restores exactly only when
+    reused from its end or its last token: :meth:`min_keep`, :meth:`check_reuse`)
+    or ``"context"`` (``llama_state_*`` of a one-sequence context with the full
+    SWA cache: every cell, loaded back into the cells it was evaluated in).
     """
 
     model_sha256: str
@@ -113,6 +116,7 @@ class KVIdentity:
     n_swa: int
     swa_full: bool
     build: str
+    state: str = "sequence"
 
     @property
     def partial_reuse(self) -> bool:
@@ -125,9 +129,15 @@ class KVIdentity:
         (``keep == n``) or after replaying its last token (``keep == n - 1``: that
         position's window is all there), and nothing shorter: a removal below
         that succeeds in llama.cpp but leaves a window with holes, and the logits
-        differ. Models without a window keep every position.
+        differ. Models without a window keep every position, and so does a
+        whole-context state (``state == "context"``), cell for cell.
         """
-        return self.n_swa == 0
+        return self.n_swa == 0 or self.state == "context"
+
+    @property
+    def whole_context(self) -> bool:
+        """Whether the payload is the whole context's state (``NativeContext.seq_state_*(whole=True)``)."""
+        return self.state == "context"
 
     def min_keep(self, saved_tokens: int) -> int:
         """The fewest of ``saved_tokens`` restored positions a request may keep (then evaluate from there)."""
@@ -158,6 +168,11 @@ class KVIdentity:
         ``build`` is ``_engine.engine_build()``; the caller passes it so this module stays pure.
         """
         params = ctx.params
+        n_swa = int(getattr(ctx.model, "n_swa", 0) or 0)
+        # A one-sequence context of a sliding-window model with the full SWA cache saves its whole state
+        # (ContextParams.whole_state): a per-sequence state would drop the cells outside the last window
+        # and load the rest into other cells.
+        whole = bool(getattr(params, "whole_state", False))
         return cls(
             model_sha256=model_sha256,
             adapter_sha256=adapter_sha256,
@@ -167,9 +182,10 @@ class KVIdentity:
             n_seq_max=int(params.n_seq_max),
             kv_unified=bool(params.kv_unified),
             flash_attention=str(params.flash_attention),
-            n_swa=int(getattr(ctx.model, "n_swa", 0) or 0),
+            n_swa=n_swa,
             swa_full=bool(params.swa_full),
             build=build,
+            state="context" if whole else "sequence",
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -181,6 +197,8 @@ class KVIdentity:
         if not isinstance(value, dict):
             raise StateMismatchError("the state header's identity is not an object", reason="corrupt")
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        if "state" not in value:  # written before whole-context states existed: a per-sequence state
+            value = {**value, "state": "sequence"}
         if set(value) != set(fields):
             raise StateMismatchError("the state header's identity has missing or unknown fields", reason="corrupt")
         for name, expected in _FIELD_TYPES.items():
@@ -199,6 +217,7 @@ class KVIdentity:
 _FIELD_TYPES: dict[str, Any] = {
     "model_sha256": str, "adapter_sha256": "str|None", "type_k": str, "type_v": str, "n_ctx": int,
     "n_seq_max": int, "kv_unified": bool, "flash_attention": str, "n_swa": int, "swa_full": bool, "build": str,
+    "state": str,
 }
 
 # The order mismatches are reported in: the most telling first.
@@ -207,7 +226,7 @@ _CHECKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foreign_adapter", ("adapter_sha256",)),
     ("foreign_build", ("build",)),
     ("foreign_kv_type", ("type_k", "type_v")),
-    ("layout", ("n_ctx", "n_seq_max", "kv_unified", "flash_attention", "n_swa", "swa_full")),
+    ("layout", ("n_ctx", "n_seq_max", "kv_unified", "flash_attention", "n_swa", "swa_full", "state")),
 )
 
 

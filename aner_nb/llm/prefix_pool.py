@@ -256,10 +256,11 @@ class PrefixPool:
         )]
         if not todo:
             return
-        state = slot.ctx.seq_state_bytes(0)
+        whole = store.identity(slot.ctx).whole_context  # a sliding-window state is trimmable only whole
+        state = slot.ctx.seq_state_bytes(0, whole=whole)
         scratch = self._new_slot()
         try:
-            scratch.ctx.seq_state_load(0, state)
+            scratch.ctx.seq_state_load(0, state, whole=whole)
             for n in todo:  # longest first: each cut trims the previous one
                 if not scratch.ctx.trim(0, n):
                     break

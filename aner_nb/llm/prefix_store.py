@@ -20,8 +20,11 @@ fsyncs it. An entry still queued is served from the queue (counted as a disk
 hit); :meth:`PrefixStore.flush` and :meth:`PrefixStore.close` wait for the queue.
 
 Sliding-window models: a state is only restored when the context keeps the
-full SWA cache (``swa_full``), so a restored prefix can be trimmed like a live
-one; :func:`check_tiers_allowed` refuses the tiers otherwise.
+full SWA cache (``swa_full``); :func:`check_tiers_allowed` refuses the tiers
+otherwise. A one-sequence context (a latency lease) then saves its whole state
+(``KVIdentity.state == "context"``): every cell, loaded back where it was
+evaluated, so a restored prefix is trimmed and continued like a live one. A
+batching lease's per-sequence states keep only the last window and are used whole.
 """
 
 from __future__ import annotations
@@ -85,11 +88,11 @@ class PrefixStore:
     ) -> None:
         self.config = config
         self.shape = shape  # where a prompt may start over a stored prefix (the lease's contexts' shape)
-        # A sliding-window model's saved state holds only the last window of its SWA layers' cells (even
-        # from a full SWA cache), so a restored entry continues exactly from its end but cannot be cut
-        # shorter: only entries that are a whole prefix of the prompt are used, never trimmed.
+        # A sliding-window model's per-sequence state holds only the last window of its SWA layers' cells
+        # (even from a full SWA cache), so such an entry continues exactly from its end but cannot be cut
+        # shorter: only entries that are a whole prefix of the prompt are used, never trimmed. A whole-context
+        # state (a one-sequence context's identity) has no such limit: see exact_only.
         self.n_swa = n_swa
-        self.exact_only = n_swa > 0
         self._identity_of = identity
         self._identity: KVIdentity | None = None
         self.trivial_prefix = trivial_prefix
@@ -105,6 +108,11 @@ class PrefixStore:
         if self._identity is None:
             self._identity = self._identity_of(ctx)
         return self._identity
+
+    @property
+    def exact_only(self) -> bool:
+        """Whether stored entries are used only whole (per-sequence states of a sliding-window model)."""
+        return self.n_swa > 0 and not (self._identity is not None and self._identity.partial_reuse)
 
     # -- saving --------------------------------------------------------------------
     def wants_disk(self, tokens: Sequence[int]) -> bool:
@@ -137,8 +145,11 @@ class PrefixStore:
             # serialised twice.
             blob = self.writer.pending(tokens) if self.writer is not None else None
             if blob is None:
+                identity = self.identity(ctx)
+                whole = identity.whole_context
                 blob = kv_identity.pack_in_place(
-                    self.identity(ctx), tokens, ctx.seq_state_size(seq), lambda view: ctx.seq_state_copy(seq, view)
+                    identity, tokens, ctx.seq_state_size(seq, whole=whole),
+                    lambda view: ctx.seq_state_copy(seq, view, whole=whole),
                 )
         except (LLMError, ValueError) as exc:
             self.stats.skip("save_failed", str(exc))
@@ -289,7 +300,7 @@ class PrefixStore:
             return None
         try:
             ctx.seq_rm(seq, 0, -1)
-            ctx.seq_state_load(seq, payload)
+            ctx.seq_state_load(seq, payload, whole=self.identity(ctx).whole_context)
             # Without a sliding window every position must be back; with one, the SWA layers keep the last window.
             lowest = ctx.seq_pos_min(seq)
             covered = lowest == 0 or (self.exact_only and 0 <= lowest <= max(0, n - self.n_swa))

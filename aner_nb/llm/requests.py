@@ -321,10 +321,12 @@ def context_params(
         ),
         swa_full=swa_full,
         kv_unified=kv_unified,
+        # one sequence of a sliding-window model in a full SWA cache: its saved states are the whole context's
+        whole_state=swa_full and n_seq_max == 1 and kv_unified and int(getattr(weights.native, "n_swa", 0) or 0) > 0,
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
         # an adapter's weights are not among the facts the model's own shape was read from
-        prefix_reuse=(weights.reuse_shape if adapter is None else BLOCKED) if reuses_prefixes else None,
+        prefix_reuse=(weights.reuse_shape_for(n_seq_max) if adapter is None else BLOCKED) if reuses_prefixes else None,
     )
 
 

@@ -169,8 +169,10 @@ def for_restored_windows(shape: ReuseShape, lanes: int) -> ReuseShape:
     cells sums ``lanes`` scores per vector from cell 0, so a restored request rounds as the uncached run
     only where ``n - n_swa`` is a multiple of ``lanes``: with ``n_swa`` a multiple of it too (Gemma: 512),
     where ``n`` is. So every restore point, and the tail's start, is a whole block of ``lanes`` rows (the
-    tail is 1 to ``lanes`` tokens). A lease uses it with or without tiers: the uncached run's calls are
-    the shape's, and a lease with tiers must answer as one without.
+    tail is 1 to ``lanes`` tokens). A batching lease (several sequences, per-sequence states) uses it with
+    or without tiers: the uncached run's calls are the shape's, and a lease with tiers must answer as one
+    without. A one-sequence latency lease saves whole-context states instead (``ContextParams.whole_state``:
+    every cell back in its own cell) and keeps the plain shape.
     """
     if lanes <= shape.row_block and not shape.ragged_body:
         return shape

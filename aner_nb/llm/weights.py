@@ -65,7 +65,7 @@ class SharedWeights:
         self.summary = summary
         self._users = 0
         self._lock = threading.Lock()
-        self._reuse_shape: ReuseShape | None = None
+        self._reuse_shapes: dict[int, ReuseShape] = {}  # 1: one-sequence contexts, 2: several
 
     @property
     def fingerprint(self) -> str:
@@ -73,17 +73,25 @@ class SharedWeights:
 
     @property
     def reuse_shape(self) -> ReuseShape:
-        """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`),
-        aligned to the softmax's lanes on a sliding-window model, whose prefixes may come back from saved
-        states (:func:`~aner_nb.llm.reuse.for_restored_windows`): every prefix-cache lease's, tiers or not."""
-        if self._reuse_shape is None:
+        """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`)
+        in a one-sequence context, whose saved states are whole contexts (cells restored in place)."""
+        return self.reuse_shape_for(1)
+
+    def reuse_shape_for(self, sequences: int) -> ReuseShape:
+        """The reuse shape of a context of ``sequences`` sequences: with more than one, a sliding-window
+        model's prefixes come back from per-sequence states whose window lands in the stream's first cells,
+        so its restore points are aligned to the softmax's lanes (:func:`~aner_nb.llm.reuse.for_restored_windows`),
+        tiers or not (a lease with tiers answers as one without)."""
+        key = 1 if sequences <= 1 else 2
+        shape = self._reuse_shapes.get(key)
+        if shape is None:
             types = (t for _, t in self.facts.tensor_types)
             flags, machine, on_cpu = build_flags(), platform.machine(), self.device == "cpu"
             shape = reuse_shape(types, build_flags=flags, machine=machine, on_cpu=on_cpu)
-            if int(getattr(self.native, "n_swa", 0) or 0) > 0:
+            if key == 2 and int(getattr(self.native, "n_swa", 0) or 0) > 0:
                 shape = for_restored_windows(shape, softmax_lanes(flags, machine=machine, on_cpu=on_cpu))
-            self._reuse_shape = shape
-        return self._reuse_shape
+            self._reuse_shapes[key] = shape
+        return shape
 
     @property
     def released(self) -> bool:
