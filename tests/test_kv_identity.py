@@ -567,3 +567,19 @@ def test_pack_in_place_refuses_a_copy_of_nothing_or_too_much():
         kv_identity.pack_in_place(IDENTITY, [1], 8, lambda view: 9)
     with pytest.raises(ValueError, match="exceed"):
         kv_identity.pack_in_place(IDENTITY, [1] * (kv_identity.MAX_TOKENS + 1), 8, lambda view: 8)
+
+
+def test_cache_files_are_written_atomically_without_fsync_and_saved_sessions_with_it(tmp_path, monkeypatch) -> None:
+    """The prefix tiers' files skip fsync (a torn file fails its checks; durability is not worth a
+    writeback per retained prompt); ``write_atomic`` itself, which ``session.save`` uses, syncs the file
+    and its directory. Either way no temporary file is left and the content is whole."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    kv_identity.write_cache_file(tmp_path / "a.kv", SMALL)
+    assert synced == [] and (tmp_path / "a.kv").read_bytes() == SMALL
+    kv_identity.write_atomic(tmp_path / "b.kv", SMALL)
+    assert len(synced) == 2 and (tmp_path / "b.kv").read_bytes() == SMALL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.kv", "b.kv"]

@@ -96,7 +96,7 @@ def test_ram_tier_bounds_bytes_and_finds_the_longest_prefix(puts, budget, prompt
 
 
 def test_disk_tier_is_bounded_and_lru_by_mtime(tmp_path):
-    disk = DiskTier(tmp_path, 250, kv_identity.write_atomic)
+    disk = DiskTier(tmp_path, 250, kv_identity.write_cache_file)
     for i in range(4):
         assert disk.write((i, 1, 2), b"y" * 100) == 100
         os.utime(disk.path_for((i, 1, 2)), (1000 + i, 1000 + i))
@@ -252,9 +252,9 @@ def test_a_prefix_still_queued_for_disk_is_served_from_the_queue(base, cold, tmp
     release = threading.Event()
     real = kv_identity.write_atomic
 
-    def slow_disk(path, data):  # the writer thread waits here: the write stays queued
+    def slow_disk(path, data, **kw):  # the writer thread waits here: the write stays queued
         assert release.wait(120)
-        real(path, data)
+        real(path, data, **kw)
 
     monkeypatch.setattr(kv_identity, "write_atomic", slow_disk)
     with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fast:
@@ -284,9 +284,9 @@ def test_an_entry_demoted_while_its_write_through_is_queued_is_not_serialised_ag
     real_write, real_copy = kv_identity.write_atomic, _engine.NativeContext.seq_state_copy
     copies = []
 
-    def slow_disk(path, data):
+    def slow_disk(path, data, **kw):
         assert release.wait(120)
-        real_write(path, data)
+        real_write(path, data, **kw)
 
     def counted(self, seq, into, **kw):
         copies.append(seq)
@@ -391,7 +391,7 @@ def test_a_full_or_unwritable_directory_is_counted_and_harmless(base, cold, tmp_
     r, stats = fresh_request(base, blocked, cold)
     assert stats["skips"] == {"write_failed": 1} and r.timings.prefix_cache_tier == TIER_CODES["cold"]
 
-    def full(path, data):
+    def full(path, data, **kw):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(kv_identity, "write_atomic", full)

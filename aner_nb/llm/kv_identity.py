@@ -59,6 +59,7 @@ __all__ = [
     "unpack_full",
     "read_file",
     "write_atomic",
+    "write_cache_file",
 ]
 
 FORMAT_VERSION = 2
@@ -503,20 +504,24 @@ def _map_read_only(f: Any) -> "mmap.mmap":
     return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
 
 
-def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
+def write_atomic(path: os.PathLike[str] | str, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` atomically: a unique temporary file in the same folder, fsync, ``os.replace``.
 
     Readers see the old file or the new one, never a partial write; two processes
     writing the same path each replace it with a whole file (the last one wins).
     On failure (a full disk) the temporary file is removed and the ``OSError`` propagates.
+    ``durable=False`` skips both fsyncs (:func:`write_cache_file`): the rename is
+    still atomic for every reader while the machine runs, and after a power loss a
+    file the kernel had not written back yet fails its size or checksum check.
     """
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         try:
@@ -524,6 +529,8 @@ def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
         except FileNotFoundError:
             pass
         raise
+    if not durable:
+        return
     try:  # make the rename itself durable; best effort where directories cannot be opened
         dir_fd = os.open(target.parent, os.O_RDONLY)
     except OSError:
@@ -534,3 +541,15 @@ def write_atomic(path: os.PathLike[str] | str, data: bytes) -> None:
         pass
     finally:
         os.close(dir_fd)
+
+
+def write_cache_file(path: os.PathLike[str] | str, data: bytes) -> None:
+    """:func:`write_atomic` without fsync, for the prefix tiers' disk files.
+
+    A cache file is worth its bytes only if reading it back is cheaper than
+    recomputing it, and its checksum already tells a torn file apart: an fsync
+    per retained prompt (tens of megabytes, and the kernel's writeback of them
+    beside the decode threads) buys durability across a power loss that the
+    cache does not need. A saved session (``session.save``) stays durable.
+    """
+    write_atomic(path, data, durable=False)

@@ -98,7 +98,7 @@ class PrefixStore:
         self.trivial_prefix = trivial_prefix
         self.ram = RamTier(config.ram_bytes) if config.ram_bytes > 0 else None
         self.disk = (
-            DiskTier(config.directory, config.disk_bytes, kv_identity.write_atomic) if config.directory else None
+            DiskTier(config.directory, config.disk_bytes, kv_identity.write_cache_file) if config.directory else None
         )
         self.stats = TierStats()
         self._suspect: set[Path] = set()  # disk files skipped: a later save may replace them
