@@ -184,6 +184,7 @@ def _fill(args: argparse.Namespace) -> None:
         # (On a sliding-window model an entry restores whole only, so the prompts must be the same.)
         for case in _restart_cases(text, args):
             r = lease.generate(case.prompt, max_tokens=args.max_tokens)
+        lease._state.pool.store.flush()  # the writer thread's queue: count what is on disk
         files = [f for f in os.listdir(args.cache_dir) if f.endswith(".kv")]
         size = sum(os.path.getsize(os.path.join(args.cache_dir, f)) for f in files)
         print(f"fill process: {len(QUESTIONS) - 1} prompts of ~{r.usage.prompt_tokens} tokens; disk tier holds "

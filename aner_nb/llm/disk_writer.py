@@ -1,7 +1,8 @@
 """The disk tier's background writer: state files leave the request's thread, at low OS priority.
 
-Writing a retained prefix through to disk is ~40 MB and an fsync per request
-(125 ms on the machine this was measured on): on the request's thread that is
+Writing a retained prefix through to disk is ~40 MB per request (125 ms with an
+fsync on the machine this was measured on; the tier's files now skip it,
+``kv_identity.write_cache_file``): on the request's thread that is
 what a notebook user would wait for, and it is all the tiers cost when no
 prompt is ever reused. The request serialises the sequence (it must: the
 context is reused next) and hands the packed bytes here; one daemon thread

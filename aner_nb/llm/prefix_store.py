@@ -15,8 +15,8 @@ leave exactly the stored positions, is cleared again and counted as
 ``load_failed``.
 
 Disk writes leave the request's thread (:mod:`aner_nb.llm.disk_writer`): the
-request serialises and packs the state, a low-priority writer thread writes and
-fsyncs it. An entry still queued is served from the queue (counted as a disk
+request serialises and packs the state, a low-priority writer thread writes it
+(atomically, without fsync: ``kv_identity.write_cache_file``). An entry still queued is served from the queue (counted as a disk
 hit); :meth:`PrefixStore.flush` and :meth:`PrefixStore.close` wait for the queue.
 
 Sliding-window models: a state is only restored when the context keeps the
