@@ -13,6 +13,10 @@ from aner_nb.llm.draft_policy import (
 # vocabulary, where rows are cheap until the batch stops being bound by reading the weights.
 GEMMA_LIKE = RowCosts.from_points([(1, 1.0), (2, 1.8), (4, 2.6), (8, 3.6), (16, 6.0), (32, 10.0), (65, 19.0)])
 CHEAP = RowCosts.from_points([(1, 1.0), (2, 1.05), (8, 1.4), (16, 2.0), (65, 6.0)])
+# SmolLM2's ratios as measured at 2 threads (benchmarks/RESULTS.md, "Speculation from measured row costs")
+SMOL_LIKE = RowCosts.from_points([(1, 1.0), (2, 1.79), (3, 2.13), (4, 2.51), (5, 3.33), (6, 3.70), (7, 4.17), (8, 4.32),
+                                  (10, 5.26), (12, 5.50), (14, 7.60), (16, 7.58), (20, 9.75), (24, 10.02), (32, 12.97),
+                                  (48, 19.89), (65, 25.27)])
 
 
 def test_row_costs_interpolate_between_points_and_extend_past_the_last():
@@ -189,3 +193,77 @@ def test_evidence_in_one_bucket_moves_the_others():
     for _ in range(8):
         failing.update(3, 4, 0)
     assert failing.acceptance(40) < DraftPolicy(16, CHEAP).acceptance(40) - 0.3
+
+
+# -- drafts under llama.cpp's multi-stream split ---------------------------------------------------------
+
+from aner_nb.llm.step_policy import micro_batches  # noqa: E402
+
+
+def _split_equal_oracle(layout, n_ubatch):
+    """llama.cpp's ``llama_batch_allocr::split_equal(n_ubatch, sequential=true)`` token by token, as written
+    there (one sequence per token, the batch in the given order): the rows of each micro-batch."""
+    tokens = [seq for seq, n in layout for _ in range(n)]
+    used = [False] * len(tokens)
+    out = []
+    while not all(used):
+        seqs, last = [], -1
+        for i, seq in enumerate(tokens):
+            if used[i] or seq in seqs:
+                continue
+            if not seqs or seq == last + 1:
+                seqs.append(seq)
+                last = seq
+                if len(seqs) > n_ubatch:
+                    break
+        per_seq = {s: [i for i, t in enumerate(tokens) if t == s and not used[i]] for s in seqs}
+        taken = 0
+        while all(per_seq[s] for s in seqs):
+            for s in seqs:
+                used[per_seq[s].pop(0)] = True
+            taken += 1
+            if (taken + 1) * len(seqs) > n_ubatch:
+                break
+        out.append(taken * len(seqs))
+    return tuple(out)
+
+
+@settings(max_examples=300)
+@given(st.dictionaries(st.integers(0, 9), st.integers(1, 40), min_size=1, max_size=6), st.integers(1, 64))
+def test_micro_batches_are_llama_cpps_split(rows_by_seq, n_ubatch):
+    layout = sorted(rows_by_seq.items())
+    assert micro_batches(layout, n_ubatch) == _split_equal_oracle(layout, n_ubatch)
+
+
+def test_a_lone_verifier_beside_decode_rows_costs_a_pass_of_its_own():
+    # four decoding sequences, one verifying 8 proposals: llama.cpp runs 4 rows, then that sequence's 8
+    assert micro_batches([(0, 9), (1, 1), (2, 1), (3, 1)], 512) == (4, 8)
+    assert micro_batches([(0, 3), (1, 3), (2, 3), (3, 3)], 512) == (12,)  # equal counts: one pass
+    layout = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    # with SmolLM2-like rows the flat model (one pass of 12 rows) pays for an 8-token draft at 0.95 acceptance,
+    # the split model (a pass of 4 rows, then one of 8) does not
+    offer = [(0, 0.95, 8)]
+    flat = batch_drafts(offer, decoding=4, rows=4, room=508, costs=SMOL_LIKE)
+    split = batch_drafts(offer, decoding=4, rows=4, room=508, costs=SMOL_LIKE, layout=layout, n_ubatch=512)
+    assert flat.get(0, 0) > 0 and split.get(0, 0) < flat[0]
+    # a certain copy still pays for its pass
+    assert batch_drafts([(0, 1.0, 16)], decoding=4, rows=4, room=508, costs=SMOL_LIKE, layout=layout, n_ubatch=512)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.floats(0.0, 1.0), st.integers(0, 32)), min_size=1, max_size=6),
+       st.integers(0, 200), st.integers(0, 128), st.sampled_from([GEMMA_LIKE, CHEAP]), st.sampled_from([32, 128, 512]))
+def test_split_drafts_never_slow_the_split_step_down(offers, prefill, room, costs, n_ubatch):
+    decoding = len(offers)
+    layout = [(i, 1) for i in range(decoding)] + ([(decoding, prefill)] if prefill else [])
+    rows = decoding + prefill
+    chosen = batch_drafts([(i, p, m) for i, (p, m) in enumerate(offers)], decoding, rows, room, costs,
+                          layout=layout, n_ubatch=n_ubatch)
+    assert sum(chosen.values()) <= room and all(1 <= chosen[i] <= offers[i][1] for i in chosen)
+
+    def cost(drafts):
+        return sum(costs.of(n) for n in micro_batches([(s, n + drafts.get(s, 0)) for s, n in layout], n_ubatch))
+
+    tokens = decoding + sum(expected_tokens(offers[i][0], d) - 1 for i, d in chosen.items())
+    base = costs.of(decoding) - cost({})
+    assert tokens / (base + cost(chosen)) >= decoding / costs.of(decoding) * (1 - 1e-9)

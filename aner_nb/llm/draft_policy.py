@@ -124,7 +124,7 @@ def best_length(p: float, limit: int, costs: RowCosts, *, min_gain: float = MIN_
 
 def batch_drafts(
     offers: Sequence[tuple[int, float, int]], decoding: int, rows: int, room: int, costs: RowCosts,
-    *, min_gain: float = MIN_GAIN,
+    *, min_gain: float = MIN_GAIN, layout: Sequence[tuple[int, int]] | None = None, n_ubatch: int = 0,
 ) -> dict[int, int]:
     """Proposals per sequence for one continuous-batching step: drafts only where they raise the step's speed.
 
@@ -132,28 +132,44 @@ def batch_drafts(
     with a draft; the step already holds ``rows`` rows, ``decoding`` of them decode rows (the
     others prompt chunks), with ``room`` rows left in its token budget. The step's speed is its
     tokens over its cost, where prompt rows are work the batch does anyway: cost =
-    ``D(decoding) + D(rows + drafts) - D(rows)``. Offers are taken by acceptance, best first; each
+    ``D(decoding) + C(with drafts) - C(plain)``. ``C`` of a step is ``D`` of its rows when they run
+    as one micro-batch; given the plain step's ``layout`` (``(seq, rows)``) and the context's
+    ``n_ubatch``, it is the sum of ``D`` over the micro-batches llama.cpp splits a multi-stream batch
+    into (:func:`~aner_nb.llm.step_policy.micro_batches`): a sequence verifying proposals beside
+    plain decode rows costs a pass of its own. Offers are taken by acceptance, best first; each
     gets the count that makes the step fastest, and is kept only if the step then beats the
     plain step by ``min_gain`` (the first) or beats what the drafts kept so far give (the
     others). With one decoding sequence and no prompt rows this is :func:`best_length`.
     """
-    base = costs.of(decoding) - costs.of(rows)
+    from .step_policy import micro_batches  # step_policy imports nothing of this module
+
+    def passes(chosen: dict[int, int], extra: int) -> tuple[int, ...]:
+        if layout is None:
+            return (rows + extra,)
+        return micro_batches([(seq, n + chosen.get(seq, 0)) for seq, n in layout], max(n_ubatch, 1))
+
+    def step_cost(chosen: dict[int, int], extra: int) -> float:
+        return sum(costs.of(n) for n in passes(chosen, extra))
+
+    def unmeasured(chosen: dict[int, int], extra: int) -> bool:  # draft to measured step sizes only
+        return bool(costs.measured) and any(n <= len(costs.ratios) and n not in costs.measured for n in passes(chosen, extra))
+
+    base = costs.of(decoding) - step_cost({}, 0)
     tokens, extra = float(decoding), 0
 
-    def speed(t: float, e: int) -> float:
-        return t / (base + costs.of(rows + e))
+    def speed(t: float, chosen: dict[int, int], e: int) -> float:
+        return t / (base + step_cost(chosen, e))
 
-    plain = speed(tokens, 0)
+    plain = speed(tokens, {}, 0)
     current = plain * (1.0 + min_gain)
     chosen: dict[int, int] = {}
     for seq, p, most in sorted(offers, key=lambda o: (-o[1], o[0])):
         candidates = []
         for d in range(1, min(most, room - extra) + 1):
-            total = rows + extra + d
-            if costs.measured and total <= len(costs.ratios) and total not in costs.measured:
+            if unmeasured({**chosen, seq: d}, extra + d):
                 continue
             t = tokens + expected_tokens(p, d) - 1.0
-            candidates.append((d, speed(t, extra + d), t))
+            candidates.append((d, speed(t, {**chosen, seq: d}, extra + d), t))
         best = max((s for _, s, _ in candidates), default=0.0)
         if best <= current * (1.0 + _TIE if chosen else 1.0):
             continue

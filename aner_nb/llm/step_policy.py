@@ -60,6 +60,7 @@ __all__ = [
     "plan_step",
     "plan_batch",
     "draft_room",
+    "micro_batches",
     "next_sequence_id",
     "compaction_moves",
     "kv_victim",
@@ -147,6 +148,33 @@ def draft_room(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], b
     """``(rows, room)`` of the plain step :func:`plan_step` plans: its rows and the budget it leaves for drafts."""
     n = plan_step(decoding, prefilling, batch_tokens).n_tokens
     return n, batch_tokens - n
+
+
+def micro_batches(layout: Sequence[tuple[int, int]], n_ubatch: int) -> tuple[int, ...]:
+    """The rows of each micro-batch llama.cpp makes of a multi-stream batch laid out as ``(seq, rows)``.
+
+    Engine fact (``llama_batch_allocr::split_equal`` with sequential ids, what a
+    ``kv_unified=False`` cache asks for): a micro-batch takes the run of
+    consecutive sequence ids that starts at the lowest id with rows left, and
+    the same number of rows from each (the fewest any of them has left, at most
+    ``n_ubatch`` over the run's length, at least one); every micro-batch is a
+    pass over the weights of its own. So a step whose sequences carry unequal
+    row counts (one verifying proposals beside plain decode rows, a prompt
+    chunk) costs one pass per level of that staircase, not one pass of all rows.
+    """
+    left = {seq: n for seq, n in sorted(layout) if n > 0}
+    out = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left and len(run) <= n_ubatch:  # llama.cpp stops after the set exceeds n_ubatch
+            run.append(run[-1] + 1)
+        take = max(1, min(min(left[s] for s in run), n_ubatch // len(run)))
+        for s in run:
+            left[s] -= take
+            if left[s] == 0:
+                del left[s]
+        out.append(take * len(run))
+    return tuple(out)
 
 
 def next_sequence_id(active: Sequence[int], free: Sequence[int]) -> int:
