@@ -267,3 +267,17 @@ def test_split_drafts_never_slow_the_split_step_down(offers, prefill, room, cost
     tokens = decoding + sum(expected_tokens(offers[i][0], d) - 1 for i, d in chosen.items())
     base = costs.of(decoding) - cost({})
     assert tokens / (base + cost(chosen)) >= decoding / costs.of(decoding) * (1 - 1e-9)
+
+
+def test_copying_sequences_draft_together_in_one_pass():
+    """Four decoding sequences that each copy at 0.8: one draft alone costs a pass of its own and does not
+    pay on SmolLM2-like rows, the same count on all four shares the step's one pass and does."""
+    layout = [(0, 1), (1, 1), (2, 1), (3, 1)]
+    alone = batch_drafts([(0, 0.8, 16)], decoding=4, rows=4, room=508, costs=SMOL_LIKE, layout=layout, n_ubatch=512)
+    assert alone == {}
+    together = batch_drafts([(i, 0.8, 16) for i in range(4)], decoding=4, rows=4, room=508, costs=SMOL_LIKE,
+                            layout=layout, n_ubatch=512)
+    assert len(set(together.values())) == 1 and set(together) == {0, 1, 2, 3}
+    assert len(micro_batches([(s, 1 + together[s]) for s, _ in layout], 512)) == 1
+    assert batch_drafts([(i, 0.5, 16) for i in range(4)], decoding=4, rows=4, room=508, costs=SMOL_LIKE,
+                        layout=layout, n_ubatch=512) == {}  # doubtful drafts still do not pay

@@ -396,12 +396,13 @@ def test_seq_state_round_trip_gives_the_cold_logits(fixture_models: dict, one_th
         model.free()
 
 
-def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_whole_context_state_trimmable(
+def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_state_of_all_cells_trimmable(
     fixture_models: dict, one_thread
 ) -> None:
     """llama.cpp's per-sequence state of a sliding-window model drops the cells outside the last window
-    even from a full SWA cache, so it cannot be cut below it; the whole context's state keeps every cell in
-    place, so a restored prefix cut anywhere continues with the logits of the same context trimmed live."""
+    even from a full SWA cache, so it cannot be cut below it; the state of every cell (``all_cells``) puts
+    each cell back in its own cell, so a restored prefix cut anywhere continues with the logits of the
+    context that was saved, trimmed live as far."""
     model = _engine.NativeModel(str(fixture_models["gemma3"]))
     batch = _engine.Batch(64)
     contexts = []
@@ -418,23 +419,21 @@ def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_whole_context
         restored.seq_state_load(0, live.seq_state_bytes(0))
         assert restored.seq_pos_min(0) == 89 - model.n_swa and not restored.trim(0, 50)
         identity = KVIdentity.for_context(restored, model_sha256="m" * 64, adapter_sha256=None, build="b")
-        assert identity.swa_full and not identity.whole_context and not identity.partial_reuse
+        assert identity.swa_full and not identity.all_cells and not identity.partial_reuse
         identity = KVIdentity.for_context(whole, model_sha256="m" * 64, adapter_sha256=None, build="b")
-        assert identity.swa_full and identity.whole_context and identity.partial_reuse
-        with pytest.raises(EngineError, match="whole-context states only"):
-            whole.seq_state_load(0, live.seq_state_bytes(0))
-        state = live.seq_state_bytes(0, whole=True)
+        assert identity.swa_full and identity.all_cells and identity.partial_reuse
+        state = live.seq_state_bytes(0, all_cells=True)
         assert len(state) > len(live.seq_state_bytes(0))  # the cells the window no longer sees are in it
         for keep in (89, 70, 50, 31):
             whole.seq_rm(0, 0, -1)
-            assert whole.seq_state_load(0, state, whole=True) == len(state)
+            assert whole.seq_state_load(0, state) == len(state)
             assert (whole.seq_pos_min(0), whole.seq_pos_max(0)) == (0, 88) and whole.trim(0, keep)
             assert live.trim(0, keep)  # the oracle: the evaluated context itself, cut as far
             for pos in range(keep, 89):
                 got, want = _next_logits(whole, batch, tokens[pos], pos), _next_logits(live, batch, tokens[pos], pos)
                 assert np.array_equal(got, want), (keep, pos)
         with pytest.raises(EngineError, match="whole_state context"):
-            restored.seq_state_bytes(0, whole=True)
+            restored.seq_state_bytes(0, all_cells=True)
         with pytest.raises(EngineError, match="one sequence"):
             _engine.NativeContext(model, dataclasses.replace(whole_params, n_seq_max=2))
     finally:
@@ -494,15 +493,15 @@ def test_gemma_prefix_restored_past_the_window_gives_the_cold_greedy_output(one_
         want = _greedy(cold, batch, question, len(prefix), 8)
         _prefill_chunks(warm, batch, prefix)
         identity = KVIdentity.for_context(warm, model_sha256="g" * 64, adapter_sha256=None, build=_engine.engine_build())
-        # with swa_full a one-sequence context saves its whole state (every cell); without, a sequence's
-        whole = identity.whole_context
+        # with swa_full a one-sequence context saves every cell; without, a sequence's (the window's) cells
+        whole = identity.all_cells
         assert whole == swa_full
-        data = pack(identity, prefix, warm.seq_state_bytes(0, whole=whole))
+        data = pack(identity, prefix, warm.seq_state_bytes(0, all_cells=whole))
         tokens, payload = unpack(data, identity)
         assert tokens == tuple(prefix) and identity.partial_reuse == swa_full
         assert identity.min_keep(1600) == (0 if swa_full else 1599)
 
-        restored.seq_state_load(0, payload, whole=whole)
+        restored.seq_state_load(0, payload)
         assert identity.restored_ok(1600, restored.seq_pos_min(0), restored.seq_pos_max(0))
         assert restored.seq_pos_min(0) == (0 if swa_full else 1600 - 512)  # a sequence's state: the window's cells
         assert _greedy(restored, batch, question, len(prefix), 8) == want  # continued from the saved end
@@ -514,14 +513,14 @@ def test_gemma_prefix_restored_past_the_window_gives_the_cold_greedy_output(one_
         assert warm.seq_rm(0, 1599, -1)
         replay_want = _next_logits(warm, batch, prefix[-1], 1599)
         restored.clear()
-        restored.seq_state_load(0, payload, whole=whole)
+        restored.seq_state_load(0, payload)
         identity.check_reuse(1600, 1599)
         assert restored.seq_rm(0, 1599, -1) and restored.seq_pos_max(0) == 1598
         got = _next_logits(restored, batch, prefix[-1], 1599)
         np.testing.assert_array_equal(got, replay_want)
         if whole:  # cut far below the window: the same cells as the live context cut as far
             restored.clear()
-            restored.seq_state_load(0, payload, whole=True)
+            restored.seq_state_load(0, payload)
             identity.check_reuse(1600, 700)
             assert restored.trim(0, 700) and warm.trim(0, 700)
             for pos in range(700, 708):

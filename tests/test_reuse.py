@@ -315,8 +315,8 @@ def test_gemma_ragged_bodies_restore_bitwise_from_entries_that_end_anywhere():
 def test_gemma_prefixes_restored_from_saved_states_equal_the_uncached_run():
     """A sliding-window model's prefix from the RAM tier gives the uncached run's logprobs bit for bit, for
     prompts longer than the window whose lengths cover every residue of the softmax's lanes, whole or cut
-    below the stored entry's end. A latency lease saves its whole context (``KVIdentity.state ==
-    "context"``: every cell, loaded back into its own cell); a per-sequence state would keep only the
+    below the stored entry's end. A latency lease saves every cell (``KVIdentity.state ==
+    "all_cells"``: each loaded back into its own cell); a per-sequence state would keep only the
     window's cells and load them into the first cells, which rounds the softmax differently unless the
     restore point is a whole block of lanes and cannot be cut at all."""
     from aner_nb.llm import _engine

@@ -187,7 +187,7 @@ def test_a_state_llama_cpp_refuses_is_a_layout_mismatch_and_frees_the_context(ll
         state = _saved(model, tmp_path)
         natives = model._weights.native.live_contexts()
 
-        def refuse(self, seq, data, **kw):
+        def refuse(self, seq, data):
             raise llm.errors.EngineError("llama.cpp refused 123 state bytes for sequence 0 (read 0)")
 
         monkeypatch.setattr(session_module.NativeContext, "seq_state_load", refuse)

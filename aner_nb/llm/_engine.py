@@ -235,14 +235,9 @@ class ContextParams:
     # Not a llama.cpp parameter: the context serves a prefix cache, with the model's reuse shape (reuse.py);
     # every prefill then evaluates a prompt's tail as a llama_decode call of its own (runner.prefill_chunks).
     prefix_reuse: ReuseShape | None = None
-    # Not a llama.cpp parameter: a one-sequence context (sequence 0) whose saved states are the whole
-    # context's (NativeContext.seq_state_*(whole=True)). llama.cpp is given one more sequence id,
-    # HOLD_SEQ, that marks a restored state's cells (see seq_state_load); kv_unified keeps one stream.
+    # Not a llama.cpp parameter: a one-sequence context whose saved states hold every cell of sequence 0,
+    # also those its sliding window no longer sees (NativeContext.seq_state_*(all_cells=True)).
     whole_state: bool = False
-
-
-# A whole-state context's second sequence id: it shares the cells of sequence 0 that came from a load.
-HOLD_SEQ = 1
 
 
 # -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --
@@ -467,7 +462,7 @@ class NativeContext(_Owner):
         cp.n_ubatch = params.n_ubatch
         if params.whole_state and (params.n_seq_max != 1 or not params.kv_unified):
             raise EngineError("whole_state needs one sequence in one unified KV stream")
-        cp.n_seq_max = params.n_seq_max + (1 if params.whole_state else 0)  # HOLD_SEQ
+        cp.n_seq_max = params.n_seq_max
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch
         cp.type_k = getattr(lib, _KV_TYPES[params.kv_cache_type])
@@ -548,8 +543,6 @@ class NativeContext(_Owner):
             injected = _fault("seq_rm", self, seq, p0, p1)
             if injected is not _NO_FAULT:
                 return bool(injected)
-        if self.params.whole_state:  # a held cell is removed with its position (see seq_state_load)
-            self._lib.llama_memory_seq_rm(self._mem, HOLD_SEQ, p0, p1)
         return bool(self._lib.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
     def trim(self, seq: int, keep: int) -> bool:
@@ -576,94 +569,77 @@ class NativeContext(_Owner):
         return int(self._lib.llama_memory_seq_pos_min(self._mem, seq))
 
     # -- per-sequence state (llama_state_seq_*): KV of one sequence as bytes -------
-    # ``whole=True`` takes the whole context's state instead (llama_state_*), for a context of one
-    # sequence: llama.cpp writes a sequence's state without the cells its sliding window no longer sees
-    # and loads a sequence's cells into the first free cells, so a sliding-window model's prefix comes
-    # back from a per-sequence state in other cells than it was evaluated in (and cannot be trimmed below
-    # the window). The whole context's state keeps every cell (a full SWA cache holds all of them) and
-    # loads cell i back into cell i: the same layout, so a restored prefix rounds as the evaluated one.
-    def _whole(self, seq: int) -> None:
+    # Engine fact (llama-kv-cache.cpp): a sequence's state leaves out the cells its sliding window no
+    # longer sees, and a load puts the cells it has into the first free cells, so a sliding-window
+    # model's prefix comes back in other cells than it was evaluated in (the softmax then sums its scores
+    # in other lanes) and cannot be cut below the window. ``all_cells=True`` asks llama.cpp for the state of
+    # every sequence instead (seq_id -1, no window filter), which on a one-sequence context is sequence 0
+    # with every cell, in the same per-cell format; loaded into an emptied sequence, cell i of the saved
+    # context lands in cell i again (free cells are taken in order) and the cache's search head ends after
+    # them, as in the context that was saved. (The whole-context API, llama_state_*, would also clear every
+    # KV buffer of the context first: a memset that grows with n_ctx.)
+    def _all_cells(self, seq: int) -> int:
         if seq != 0 or not self.params.whole_state:
-            raise EngineError(f"a whole-context state is sequence 0's only on a whole_state context, not sequence {seq}")
+            raise EngineError(f"every cell of sequence {seq} is one sequence's state only on a whole_state context")
+        return -1  # llama.cpp: all sequences (the one sequence 0)
 
-    def seq_state_bytes(self, seq: int, *, whole: bool = False) -> bytearray:
+    def seq_state_bytes(self, seq: int, *, all_cells: bool = False) -> bytearray:
         """Sequence ``seq``'s serialised state (its KV cells, and the SWA cells it keeps).
 
-        A sliding-window cache created without ``swa_full`` holds only the last
-        window of positions; its state restores those cells only, so callers
-        must not treat it as the whole prefix (see ``kv_identity``). Raises
-        ``EngineError`` when llama.cpp reports no state or a short copy.
+        A sliding-window sequence's state holds only the last window of its
+        SWA layers unless ``all_cells``; callers must not treat it as the whole
+        prefix (see ``kv_identity``). Raises ``EngineError`` when llama.cpp
+        reports no state or a short copy.
         """
-        out = bytearray(self.seq_state_size(seq, whole=whole))  # llama.cpp copies straight into it: one copy of the KV
-        written = self.seq_state_copy(seq, memoryview(out), whole=whole)
+        out = bytearray(self.seq_state_size(seq, all_cells=all_cells))  # llama.cpp copies straight into it
+        written = self.seq_state_copy(seq, memoryview(out), all_cells=all_cells)
         del out[written:]
         return out
 
-    def seq_state_size(self, seq: int, *, whole: bool = False) -> int:
+    def seq_state_size(self, seq: int, *, all_cells: bool = False) -> int:
         """The bytes :meth:`seq_state_copy` needs for sequence ``seq`` (``EngineError`` when there is no state)."""
-        if whole:
-            self._whole(seq)
-            size = int(self._lib.llama_state_get_size(self.ptr))
-        else:
-            size = int(self._lib.llama_state_seq_get_size(self.ptr, seq))
+        which = self._all_cells(seq) if all_cells else seq
+        size = int(self._lib.llama_state_seq_get_size(self.ptr, which))
         if size <= 0:
             raise EngineError(f"llama.cpp reported no state for sequence {seq}")
         return size
 
-    def seq_state_copy(self, seq: int, into: memoryview, *, whole: bool = False) -> int:
+    def seq_state_copy(self, seq: int, into: memoryview, *, all_cells: bool = False) -> int:
         """Copy sequence ``seq``'s state into the writable buffer ``into``; the bytes written.
 
         ``EngineError`` when llama.cpp copies nothing or reports more than ``into`` holds.
         """
+        which = self._all_cells(seq) if all_cells else seq
         size = len(into)
         view = (ctypes.c_uint8 * size).from_buffer(into)
         try:
-            if whole:
-                self._whole(seq)
-                written = int(self._lib.llama_state_get_data(self.ptr, view, size))
-            else:
-                written = int(self._lib.llama_state_seq_get_data(self.ptr, view, size, seq))
+            written = int(self._lib.llama_state_seq_get_data(self.ptr, view, size, which))
         finally:
             del view  # release the export: the caller may resize or release the buffer
         if written <= 0 or written > size:
-            raise EngineError(f"llama.cpp copied {written} of {size} state bytes for sequence {seq}")
+            raise EngineError(f"llama_state_seq_get_data copied {written} of {size} bytes for sequence {seq}")
         return written
 
-    def seq_state_load(self, seq: int, data: bytes, *, whole: bool = False) -> int:
+    def seq_state_load(self, seq: int, data: bytes) -> int:
         """Load ``data`` (from ``seq_state_bytes`` on a context of the same identity) into ``seq``.
 
         Returns the number of bytes llama.cpp read; raises ``EngineError`` when it
         refuses the data (it returns 0: wrong layout, too many cells). The caller
         clears ``seq`` first and checks the identity before native code sees the
         bytes (``kv_identity.unpack``); on failure the sequence is cleared again.
-        A ``whole`` state replaces the context's whole memory.
         """
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) == 0:
             raise EngineError(f"no state bytes to load into sequence {seq}")
-        if whole:
-            self._whole(seq)
-        elif self.params.whole_state:
-            raise EngineError("this context loads whole-context states only")
         # llama.cpp only reads the buffer (const uint8_t *): point at the caller's storage (read-only views
         # included, through numpy's buffer protocol), no copy of a 40 MB state
         raw = np.frombuffer(data, dtype=np.uint8)
         buf = raw.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         with engine_log.capturing() as lines:
-            if whole:
-                read = int(self._lib.llama_state_set_data(self.ptr, buf, raw.size))
-            else:
-                read = int(self._lib.llama_state_seq_set_data(self.ptr, buf, raw.size, seq))
+            read = int(self._lib.llama_state_seq_set_data(self.ptr, buf, raw.size, seq))
         if read <= 0 or read > raw.size:
-            self.seq_rm(seq, -1, -1)
+            self._lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
             why = f": {lines[-1].strip()}" if lines else ""
             raise EngineError(f"llama.cpp refused {raw.size} state bytes for sequence {seq} (read {read}){why}")
-        if whole:
-            # A whole load puts cell i back into cell i but leaves the cache's search head at cell 0, and
-            # llama.cpp's slot search reuses a cell that the sequence's sliding window no longer sees
-            # (llama_kv_cache::find_slot): the next tokens would go into the first cells, not after the
-            # kept ones as in the context that was saved. A cell shared by two sequences is never reused,
-            # so HOLD_SEQ shares every loaded cell; seq_rm removes both ids, so a cut frees cells as before.
-            self._lib.llama_memory_seq_cp(self._mem, seq, HOLD_SEQ, -1, -1)
         return read
 
     # -- embedding contexts (ContextParams.embeddings) --------------------------

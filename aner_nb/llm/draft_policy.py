@@ -163,6 +163,7 @@ def batch_drafts(
     plain = speed(tokens, {}, 0)
     current = plain * (1.0 + min_gain)
     chosen: dict[int, int] = {}
+    joint = _joint_drafts(offers, tokens, room, speed, unmeasured) if layout is not None else None
     for seq, p, most in sorted(offers, key=lambda o: (-o[1], o[0])):
         candidates = []
         for d in range(1, min(most, room - extra) + 1):
@@ -176,7 +177,29 @@ def batch_drafts(
         d, s, t = next(c for c in candidates if c[1] >= best * (1.0 - _TIE))  # the shortest of the near-best
         chosen[seq] = d
         tokens, extra, current = t, extra + d, s
+    if joint is not None and joint[1] > max(current, plain * (1.0 + min_gain)) * (1.0 + _TIE):
+        return joint[0]
     return chosen
+
+
+def _joint_drafts(offers, tokens, room, speed, unmeasured) -> "tuple[dict[int, int], float] | None":
+    """The best step where every offering sequence drafts the same count (capped by its own limit).
+
+    Sequences on consecutive ids with equal rows share one micro-batch, so drafts that would each
+    cost a pass of their own alone can pay together (four copying requests: four 3-row runs in one
+    pass of 12). The greedy loop in :func:`batch_drafts` takes offers one at a time and never sees it.
+    """
+    best: tuple[dict[int, int], float] | None = None
+    for d in range(1, max((most for _, _, most in offers), default=0) + 1):
+        chosen = {seq: min(d, most) for seq, _, most in offers if most > 0}
+        extra = sum(chosen.values())
+        if not chosen or extra > room or unmeasured(chosen, extra):
+            continue
+        t = tokens + sum(expected_tokens(p, chosen[seq]) - 1.0 for seq, p, most in offers if seq in chosen)
+        s = speed(t, chosen, extra)
+        if best is None or s > best[1] * (1.0 + _TIE):
+            best = (chosen, s)
+    return best
 
 
 def _bucket(match: int) -> int:

@@ -102,8 +102,8 @@ class KVIdentity:
     payload is: ``"sequence"`` (``llama_state_seq_*``: a sliding-window state
     holds only the window of its last position, so it restores exactly only when
     reused from its end or its last token: :meth:`min_keep`, :meth:`check_reuse`)
-    or ``"context"`` (``llama_state_*`` of a one-sequence context with the full
-    SWA cache: every cell, loaded back into the cells it was evaluated in).
+    or ``"all_cells"`` (the same format holding every cell of a one-sequence
+    context with the full SWA cache, loaded back into the cells it was evaluated in).
     """
 
     model_sha256: str
@@ -131,14 +131,14 @@ class KVIdentity:
         position's window is all there), and nothing shorter: a removal below
         that succeeds in llama.cpp but leaves a window with holes, and the logits
         differ. Models without a window keep every position, and so does a
-        whole-context state (``state == "context"``), cell for cell.
+        state of every cell (``state == "all_cells"``), cell for cell.
         """
-        return self.n_swa == 0 or self.state == "context"
+        return self.n_swa == 0 or self.state == "all_cells"
 
     @property
-    def whole_context(self) -> bool:
-        """Whether the payload is the whole context's state (``NativeContext.seq_state_*(whole=True)``)."""
-        return self.state == "context"
+    def all_cells(self) -> bool:
+        """Whether the payload holds every cell (``NativeContext.seq_state_*(all_cells=True)``)."""
+        return self.state == "all_cells"
 
     def min_keep(self, saved_tokens: int) -> int:
         """The fewest of ``saved_tokens`` restored positions a request may keep (then evaluate from there)."""
@@ -170,7 +170,7 @@ class KVIdentity:
         """
         params = ctx.params
         n_swa = int(getattr(ctx.model, "n_swa", 0) or 0)
-        # A one-sequence context of a sliding-window model with the full SWA cache saves its whole state
+        # A one-sequence context of a sliding-window model with the full SWA cache saves every cell
         # (ContextParams.whole_state): a per-sequence state would drop the cells outside the last window
         # and load the rest into other cells.
         whole = bool(getattr(params, "whole_state", False))
@@ -186,7 +186,7 @@ class KVIdentity:
             n_swa=n_swa,
             swa_full=bool(params.swa_full),
             build=build,
-            state="context" if whole else "sequence",
+            state="all_cells" if whole else "sequence",
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -256,11 +256,11 @@ class PrefixPool:
         )]
         if not todo:
             return
-        whole = store.identity(slot.ctx).whole_context  # a sliding-window state is trimmable only whole
-        state = slot.ctx.seq_state_bytes(0, whole=whole)
+        every = store.identity(slot.ctx).all_cells  # a sliding-window state is cut only with all its cells
+        state = slot.ctx.seq_state_bytes(0, all_cells=every)
         scratch = self._new_slot()
         try:
-            scratch.ctx.seq_state_load(0, state, whole=whole)
+            scratch.ctx.seq_state_load(0, state)
             for n in todo:  # longest first: each cut trims the previous one
                 if not scratch.ctx.trim(0, n):
                     break

@@ -22,7 +22,7 @@ hit); :meth:`PrefixStore.flush` and :meth:`PrefixStore.close` wait for the queue
 Sliding-window models: a state is only restored when the context keeps the
 full SWA cache (``swa_full``); :func:`check_tiers_allowed` refuses the tiers
 otherwise. A one-sequence context (a latency lease) then saves its whole state
-(``KVIdentity.state == "context"``): every cell, loaded back where it was
+(``KVIdentity.state == "all_cells"``): every cell, loaded back where it was
 evaluated, so a restored prefix is trimmed and continued like a live one. A
 batching lease's per-sequence states keep only the last window and are used whole.
 """
@@ -146,10 +146,10 @@ class PrefixStore:
             blob = self.writer.pending(tokens) if self.writer is not None else None
             if blob is None:
                 identity = self.identity(ctx)
-                whole = identity.whole_context
+                every = identity.all_cells
                 blob = kv_identity.pack_in_place(
-                    identity, tokens, ctx.seq_state_size(seq, whole=whole),
-                    lambda view: ctx.seq_state_copy(seq, view, whole=whole),
+                    identity, tokens, ctx.seq_state_size(seq, all_cells=every),
+                    lambda view: ctx.seq_state_copy(seq, view, all_cells=every),
                 )
         except (LLMError, ValueError) as exc:
             self.stats.skip("save_failed", str(exc))
@@ -300,7 +300,7 @@ class PrefixStore:
             return None
         try:
             ctx.seq_rm(seq, 0, -1)
-            ctx.seq_state_load(seq, payload, whole=self.identity(ctx).whole_context)
+            ctx.seq_state_load(seq, payload)
             # Without a sliding window every position must be back; with one, the SWA layers keep the last window.
             lowest = ctx.seq_pos_min(seq)
             covered = lowest == 0 or (self.exact_only and 0 <= lowest <= max(0, n - self.n_swa))

@@ -187,8 +187,8 @@ class Session(Lease):
         life.begin("save()")
         try:
             tokens = list(self._kv_tokens)
-            whole = self._identity().whole_context
-            payload = self._slot.ctx.seq_state_bytes(0, whole=whole) if tokens else b""
+            every = self._identity().all_cells
+            payload = self._slot.ctx.seq_state_bytes(0, all_cells=every) if tokens else b""
             meta = {
                 "kind": self._SAVED_KIND,
                 "messages": [dict(m) for m in self._history],
@@ -225,7 +225,7 @@ class Session(Lease):
         ctx.clear()
         if tokens:
             try:
-                ctx.seq_state_load(0, saved.payload, whole=saved.identity.whole_context)
+                ctx.seq_state_load(0, saved.payload)
             except EngineError as exc:
                 ctx.clear()
                 raise StateMismatchError(f"llama.cpp refused the saved KV state: {exc}", reason="layout") from None

@@ -74,7 +74,7 @@ class SharedWeights:
     @property
     def reuse_shape(self) -> ReuseShape:
         """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`)
-        in a one-sequence context, whose saved states are whole contexts (cells restored in place)."""
+        in a one-sequence context, whose saved states hold every cell (restored in place)."""
         return self.reuse_shape_for(1)
 
     def reuse_shape_for(self, sequences: int) -> ReuseShape:
