@@ -42,7 +42,7 @@ def spread(values: list[float]) -> str:
 def llama_bench_tg(binary: str, model_path: str, *, threads: int, tokens: int, depth: int, flash: str) -> float:
     """One ``llama-bench`` tg run (``-r 1``): its average tokens per second."""
     cmd = [binary, "-m", model_path, "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth), "-r", "1",
-           "-fa", {"on": "1", "off": "0"}.get(flash, flash), "-o", "json"]
+           "-fa", flash, "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
     rows = json.loads(out)
     return float(rows[0]["avg_ts"])
