@@ -408,7 +408,7 @@ def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_state_of_all_
     contexts = []
     try:
         params = _engine.ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=True)
-        whole_params = dataclasses.replace(params, whole_state=True)
+        whole_params = dataclasses.replace(params, saves_all_cells=True)
         tokens = model.tokenize("the quick brown fox jumps over the lazy dog " * 8)[:90]
         live, whole = (_engine.NativeContext(model, whole_params) for _ in range(2))
         restored = _engine.NativeContext(model, params)
@@ -432,7 +432,7 @@ def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_state_of_all_
             for pos in range(keep, 89):
                 got, want = _next_logits(whole, batch, tokens[pos], pos), _next_logits(live, batch, tokens[pos], pos)
                 assert np.array_equal(got, want), (keep, pos)
-        with pytest.raises(EngineError, match="whole_state context"):
+        with pytest.raises(EngineError, match="saves_all_cells context"):
             restored.seq_state_bytes(0, all_cells=True)
         with pytest.raises(EngineError, match="one sequence"):
             _engine.NativeContext(model, dataclasses.replace(whole_params, n_seq_max=2))
@@ -477,7 +477,7 @@ def test_gemma_prefix_restored_past_the_window_gives_the_cold_greedy_output(one_
     from aner_nb.demo_model import gemma_model_path
 
     model = _engine.NativeModel(str(gemma_model_path()))
-    params = _engine.ContextParams(n_ctx=4096, n_batch=512, n_ubatch=128, swa_full=swa_full, whole_state=swa_full)
+    params = _engine.ContextParams(n_ctx=4096, n_batch=512, n_ubatch=128, swa_full=swa_full, saves_all_cells=swa_full)
     batch = _engine.Batch(512)
     contexts: list[_engine.NativeContext] = []
     try:

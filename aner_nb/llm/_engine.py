@@ -237,7 +237,7 @@ class ContextParams:
     prefix_reuse: ReuseShape | None = None
     # Not a llama.cpp parameter: a one-sequence context whose saved states hold every cell of sequence 0,
     # also those its sliding window no longer sees (NativeContext.seq_state_*(all_cells=True)).
-    whole_state: bool = False
+    saves_all_cells: bool = False
 
 
 # -- test seam (faults.py): the armed Injection, mirrored here so a disarmed seam costs one global lookup --
@@ -460,8 +460,8 @@ class NativeContext(_Owner):
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
         cp.n_ubatch = params.n_ubatch
-        if params.whole_state and (params.n_seq_max != 1 or not params.kv_unified):
-            raise EngineError("whole_state needs one sequence in one unified KV stream")
+        if params.saves_all_cells and (params.n_seq_max != 1 or not params.kv_unified):
+            raise EngineError("saves_all_cells needs one sequence in one unified KV stream")
         cp.n_seq_max = params.n_seq_max
         cp.n_threads = params.n_threads
         cp.n_threads_batch = params.n_threads_batch
@@ -579,8 +579,8 @@ class NativeContext(_Owner):
     # them, as in the context that was saved. (The whole-context API, llama_state_*, would also clear every
     # KV buffer of the context first: a memset that grows with n_ctx.)
     def _all_cells(self, seq: int) -> int:
-        if seq != 0 or not self.params.whole_state:
-            raise EngineError(f"every cell of sequence {seq} is one sequence's state only on a whole_state context")
+        if seq != 0 or not self.params.saves_all_cells:
+            raise EngineError(f"every cell of sequence {seq} is one sequence's state only on a saves_all_cells context")
         return -1  # llama.cpp: all sequences (the one sequence 0)
 
     def seq_state_bytes(self, seq: int, *, all_cells: bool = False) -> bytearray:

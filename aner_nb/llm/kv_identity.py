@@ -171,9 +171,9 @@ class KVIdentity:
         params = ctx.params
         n_swa = int(getattr(ctx.model, "n_swa", 0) or 0)
         # A one-sequence context of a sliding-window model with the full SWA cache saves every cell
-        # (ContextParams.whole_state): a per-sequence state would drop the cells outside the last window
+        # (ContextParams.saves_all_cells): a per-sequence state would drop the cells outside the last window
         # and load the rest into other cells.
-        whole = bool(getattr(params, "whole_state", False))
+        whole = bool(getattr(params, "saves_all_cells", False))
         return cls(
             model_sha256=model_sha256,
             adapter_sha256=adapter_sha256,

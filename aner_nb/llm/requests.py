@@ -322,7 +322,7 @@ def context_params(
         swa_full=swa_full,
         kv_unified=kv_unified,
         # one sequence of a sliding-window model in a full SWA cache: its saved states hold every cell
-        whole_state=swa_full and n_seq_max == 1 and kv_unified and int(getattr(weights.native, "n_swa", 0) or 0) > 0,
+        saves_all_cells=swa_full and n_seq_max == 1 and kv_unified and int(getattr(weights.native, "n_swa", 0) or 0) > 0,
         offload=weights.device != "cpu",
         adapter=adapter.native if adapter is not None else None,
         # an adapter's weights are not among the facts the model's own shape was read from

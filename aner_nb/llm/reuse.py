@@ -171,7 +171,7 @@ def for_restored_windows(shape: ReuseShape, lanes: int) -> ReuseShape:
     where ``n`` is. So every restore point, and the tail's start, is a whole block of ``lanes`` rows (the
     tail is 1 to ``lanes`` tokens). A batching lease (several sequences, per-sequence states) uses it with
     or without tiers: the uncached run's calls are the shape's, and a lease with tiers must answer as one
-    without. A one-sequence latency lease saves states of every cell instead (``ContextParams.whole_state``:
+    without. A one-sequence latency lease saves states of every cell instead (``ContextParams.saves_all_cells``:
     each cell back in its own cell) and keeps the plain shape.
     """
     if lanes <= shape.row_block and not shape.ragged_body:
