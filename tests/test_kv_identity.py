@@ -408,21 +408,22 @@ def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_state_of_all_
     contexts = []
     try:
         params = _engine.ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, swa_full=True)
-        whole_params = dataclasses.replace(params, saves_all_cells=True)
+        whole_params = dataclasses.replace(params, saves_all_cells=True)  # nothing llama.cpp computes changes
         tokens = model.tokenize("the quick brown fox jumps over the lazy dog " * 8)[:90]
-        live, whole = (_engine.NativeContext(model, whole_params) for _ in range(2))
-        restored = _engine.NativeContext(model, params)
-        contexts += [live, restored, whole]
-        _prefill(live, batch, tokens[:60], 0)
-        _prefill(live, batch, tokens[60:89], 60)
+        live, restored = _engine.NativeContext(model, params), _engine.NativeContext(model, params)
+        source, whole = (_engine.NativeContext(model, whole_params) for _ in range(2))
+        contexts += [live, restored, source, whole]
+        for ctx in (live, source):  # the same tokens in the same batches
+            _prefill(ctx, batch, tokens[:60], 0)
+            _prefill(ctx, batch, tokens[60:89], 60)
         assert live.seq_pos_min(0) == 0  # the live full-size cache still has every position
         restored.seq_state_load(0, live.seq_state_bytes(0))
         assert restored.seq_pos_min(0) == 89 - model.n_swa and not restored.trim(0, 50)
         identity = KVIdentity.for_context(restored, model_sha256="m" * 64, adapter_sha256=None, build="b")
-        assert identity.swa_full and not identity.all_cells and not identity.partial_reuse
+        assert identity.swa_full and identity.state == "sequence" and not identity.partial_reuse
         identity = KVIdentity.for_context(whole, model_sha256="m" * 64, adapter_sha256=None, build="b")
-        assert identity.swa_full and identity.all_cells and identity.partial_reuse
-        state = live.seq_state_bytes(0, all_cells=True)
+        assert identity.swa_full and identity.state == "all_cells" and identity.partial_reuse
+        state = source.seq_state_bytes(0)
         assert len(state) > len(live.seq_state_bytes(0))  # the cells the window no longer sees are in it
         for keep in (89, 70, 50, 31):
             whole.seq_rm(0, 0, -1)
@@ -432,8 +433,8 @@ def test_a_full_swa_cache_keeps_a_sequence_state_untrimmable_but_a_state_of_all_
             for pos in range(keep, 89):
                 got, want = _next_logits(whole, batch, tokens[pos], pos), _next_logits(live, batch, tokens[pos], pos)
                 assert np.array_equal(got, want), (keep, pos)
-        with pytest.raises(EngineError, match="saves_all_cells context"):
-            restored.seq_state_bytes(0, all_cells=True)
+        with pytest.raises(EngineError, match="sequence 0 only"):
+            whole.seq_state_size(1)
         with pytest.raises(EngineError, match="one sequence"):
             _engine.NativeContext(model, dataclasses.replace(whole_params, n_seq_max=2))
     finally:
@@ -494,9 +495,9 @@ def test_gemma_prefix_restored_past_the_window_gives_the_cold_greedy_output(one_
         _prefill_chunks(warm, batch, prefix)
         identity = KVIdentity.for_context(warm, model_sha256="g" * 64, adapter_sha256=None, build=_engine.engine_build())
         # with swa_full a one-sequence context saves every cell; without, a sequence's (the window's) cells
-        whole = identity.all_cells
+        whole = identity.state == "all_cells"
         assert whole == swa_full
-        data = pack(identity, prefix, warm.seq_state_bytes(0, all_cells=whole))
+        data = pack(identity, prefix, warm.seq_state_bytes(0))
         tokens, payload = unpack(data, identity)
         assert tokens == tuple(prefix) and identity.partial_reuse == swa_full
         assert identity.min_keep(1600) == (0 if swa_full else 1599)

@@ -236,7 +236,7 @@ class ContextParams:
     # every prefill then evaluates a prompt's tail as a llama_decode call of its own (runner.prefill_chunks).
     prefix_reuse: ReuseShape | None = None
     # Not a llama.cpp parameter: a one-sequence context whose saved states hold every cell of sequence 0,
-    # also those its sliding window no longer sees (NativeContext.seq_state_*(all_cells=True)).
+    # also those its sliding window no longer sees (NativeContext.seq_state_bytes).
     saves_all_cells: bool = False
 
 
@@ -572,44 +572,46 @@ class NativeContext(_Owner):
     # Engine fact (llama-kv-cache.cpp): a sequence's state leaves out the cells its sliding window no
     # longer sees, and a load puts the cells it has into the first free cells, so a sliding-window
     # model's prefix comes back in other cells than it was evaluated in (the softmax then sums its scores
-    # in other lanes) and cannot be cut below the window. ``all_cells=True`` asks llama.cpp for the state of
-    # every sequence instead (seq_id -1, no window filter), which on a one-sequence context is sequence 0
-    # with every cell, in the same per-cell format; loaded into an emptied sequence, cell i of the saved
-    # context lands in cell i again (free cells are taken in order) and the cache's search head ends after
-    # them, as in the context that was saved. (The whole-context API, llama_state_*, would also clear every
-    # KV buffer of the context first: a memset that grows with n_ctx.)
-    def _all_cells(self, seq: int) -> int:
-        if seq != 0 or not self.params.saves_all_cells:
-            raise EngineError(f"every cell of sequence {seq} is one sequence's state only on a saves_all_cells context")
-        return -1  # llama.cpp: all sequences (the one sequence 0)
+    # in other lanes) and cannot be cut below the window. A ``saves_all_cells`` context asks llama.cpp
+    # for the state of every sequence instead (seq_id -1, no window filter): on its one sequence that is
+    # sequence 0 with every cell, in the same per-cell format; loaded into the emptied sequence, cell i
+    # of the saved context lands in cell i again (free cells are taken in order) and the cache's search
+    # head ends after them, as in the context that was saved. (The whole-context API, llama_state_*,
+    # would also clear every KV buffer of the context first: a memset that grows with n_ctx.)
+    def _state_seq(self, seq: int) -> int:
+        """The sequence id llama.cpp serialises for ``seq``: -1 (every cell) on a ``saves_all_cells`` context."""
+        if not self.params.saves_all_cells:
+            return seq
+        if seq != 0:
+            raise EngineError(f"a saves_all_cells context holds sequence 0 only, not {seq}")
+        return -1
 
-    def seq_state_bytes(self, seq: int, *, all_cells: bool = False) -> bytearray:
+    def seq_state_bytes(self, seq: int) -> bytearray:
         """Sequence ``seq``'s serialised state (its KV cells, and the SWA cells it keeps).
 
-        A sliding-window sequence's state holds only the last window of its
-        SWA layers unless ``all_cells``; callers must not treat it as the whole
-        prefix (see ``kv_identity``). Raises ``EngineError`` when llama.cpp
-        reports no state or a short copy.
+        A sliding-window sequence's state holds only the last window of its SWA
+        layers unless the context ``saves_all_cells``; callers must not treat it
+        as the whole prefix (see ``kv_identity``). Raises ``EngineError`` when
+        llama.cpp reports no state or a short copy.
         """
-        out = bytearray(self.seq_state_size(seq, all_cells=all_cells))  # llama.cpp copies straight into it
-        written = self.seq_state_copy(seq, memoryview(out), all_cells=all_cells)
+        out = bytearray(self.seq_state_size(seq))  # llama.cpp copies straight into it: one copy of the KV, not two
+        written = self.seq_state_copy(seq, memoryview(out))
         del out[written:]
         return out
 
-    def seq_state_size(self, seq: int, *, all_cells: bool = False) -> int:
+    def seq_state_size(self, seq: int) -> int:
         """The bytes :meth:`seq_state_copy` needs for sequence ``seq`` (``EngineError`` when there is no state)."""
-        which = self._all_cells(seq) if all_cells else seq
-        size = int(self._lib.llama_state_seq_get_size(self.ptr, which))
+        size = int(self._lib.llama_state_seq_get_size(self.ptr, self._state_seq(seq)))
         if size <= 0:
             raise EngineError(f"llama.cpp reported no state for sequence {seq}")
         return size
 
-    def seq_state_copy(self, seq: int, into: memoryview, *, all_cells: bool = False) -> int:
+    def seq_state_copy(self, seq: int, into: memoryview) -> int:
         """Copy sequence ``seq``'s state into the writable buffer ``into``; the bytes written.
 
         ``EngineError`` when llama.cpp copies nothing or reports more than ``into`` holds.
         """
-        which = self._all_cells(seq) if all_cells else seq
+        which = self._state_seq(seq)
         size = len(into)
         view = (ctypes.c_uint8 * size).from_buffer(into)
         try:

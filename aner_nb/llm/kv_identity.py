@@ -135,11 +135,6 @@ class KVIdentity:
         """
         return self.n_swa == 0 or self.state == "all_cells"
 
-    @property
-    def all_cells(self) -> bool:
-        """Whether the payload holds every cell (``NativeContext.seq_state_*(all_cells=True)``)."""
-        return self.state == "all_cells"
-
     def min_keep(self, saved_tokens: int) -> int:
         """The fewest of ``saved_tokens`` restored positions a request may keep (then evaluate from there)."""
         return 0 if self.partial_reuse else max(saved_tokens - 1, 0)
@@ -169,11 +164,6 @@ class KVIdentity:
         ``build`` is ``_engine.engine_build()``; the caller passes it so this module stays pure.
         """
         params = ctx.params
-        n_swa = int(getattr(ctx.model, "n_swa", 0) or 0)
-        # A one-sequence context of a sliding-window model with the full SWA cache saves every cell
-        # (ContextParams.saves_all_cells): a per-sequence state would drop the cells outside the last window
-        # and load the rest into other cells.
-        whole = bool(getattr(params, "saves_all_cells", False))
         return cls(
             model_sha256=model_sha256,
             adapter_sha256=adapter_sha256,
@@ -183,10 +173,11 @@ class KVIdentity:
             n_seq_max=int(params.n_seq_max),
             kv_unified=bool(params.kv_unified),
             flash_attention=str(params.flash_attention),
-            n_swa=n_swa,
+            n_swa=int(getattr(ctx.model, "n_swa", 0) or 0),
             swa_full=bool(params.swa_full),
             build=build,
-            state="all_cells" if whole else "sequence",
+            # a one-sequence context of a sliding-window model with the full SWA cache saves every cell
+            state="all_cells" if getattr(params, "saves_all_cells", False) else "sequence",
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -198,7 +189,7 @@ class KVIdentity:
         if not isinstance(value, dict):
             raise StateMismatchError("the state header's identity is not an object", reason="corrupt")
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        if "state" not in value:  # written before whole-context states existed: a per-sequence state
+        if "state" not in value:  # written before states of every cell existed: a per-sequence state
             value = {**value, "state": "sequence"}
         if set(value) != set(fields):
             raise StateMismatchError("the state header's identity has missing or unknown fields", reason="corrupt")

@@ -256,8 +256,7 @@ class PrefixPool:
         )]
         if not todo:
             return
-        every = store.identity(slot.ctx).all_cells  # a sliding-window state is cut only with all its cells
-        state = slot.ctx.seq_state_bytes(0, all_cells=every)
+        state = slot.ctx.seq_state_bytes(0)
         scratch = self._new_slot()
         try:
             scratch.ctx.seq_state_load(0, state)

@@ -16,13 +16,14 @@ leave exactly the stored positions, is cleared again and counted as
 
 Disk writes leave the request's thread (:mod:`aner_nb.llm.disk_writer`): the
 request serialises and packs the state, a low-priority writer thread writes it
-(atomically, without fsync: ``kv_identity.write_cache_file``). An entry still queued is served from the queue (counted as a disk
-hit); :meth:`PrefixStore.flush` and :meth:`PrefixStore.close` wait for the queue.
+(atomically, without fsync: ``kv_identity.write_cache_file``). An entry still
+queued is served from the queue (counted as a disk hit); :meth:`PrefixStore.flush`
+and :meth:`PrefixStore.close` wait for the queue.
 
 Sliding-window models: a state is only restored when the context keeps the
 full SWA cache (``swa_full``); :func:`check_tiers_allowed` refuses the tiers
-otherwise. A one-sequence context (a latency lease) then saves its whole state
-(``KVIdentity.state == "all_cells"``): every cell, loaded back where it was
+otherwise. A one-sequence context (a latency lease) then saves every cell of
+its sequence (``KVIdentity.state == "all_cells"``), loaded back where it was
 evaluated, so a restored prefix is trimmed and continued like a live one. A
 batching lease's per-sequence states keep only the last window and are used whole.
 """
@@ -90,8 +91,8 @@ class PrefixStore:
         self.shape = shape  # where a prompt may start over a stored prefix (the lease's contexts' shape)
         # A sliding-window model's per-sequence state holds only the last window of its SWA layers' cells
         # (even from a full SWA cache), so such an entry continues exactly from its end but cannot be cut
-        # shorter: only entries that are a whole prefix of the prompt are used, never trimmed. A whole-context
-        # state (a one-sequence context's identity) has no such limit: see exact_only.
+        # shorter: only entries that are a whole prefix of the prompt are used, never trimmed. A state of
+        # every cell (a one-sequence context's identity) has no such limit: see exact_only.
         self.n_swa = n_swa
         self._identity_of = identity
         self._identity: KVIdentity | None = None
@@ -145,11 +146,8 @@ class PrefixStore:
             # serialised twice.
             blob = self.writer.pending(tokens) if self.writer is not None else None
             if blob is None:
-                identity = self.identity(ctx)
-                every = identity.all_cells
                 blob = kv_identity.pack_in_place(
-                    identity, tokens, ctx.seq_state_size(seq, all_cells=every),
-                    lambda view: ctx.seq_state_copy(seq, view, all_cells=every),
+                    self.identity(ctx), tokens, ctx.seq_state_size(seq), lambda view: ctx.seq_state_copy(seq, view)
                 )
         except (LLMError, ValueError) as exc:
             self.stats.skip("save_failed", str(exc))

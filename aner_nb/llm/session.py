@@ -187,8 +187,7 @@ class Session(Lease):
         life.begin("save()")
         try:
             tokens = list(self._kv_tokens)
-            every = self._identity().all_cells
-            payload = self._slot.ctx.seq_state_bytes(0, all_cells=every) if tokens else b""
+            payload = self._slot.ctx.seq_state_bytes(0) if tokens else b""
             meta = {
                 "kind": self._SAVED_KIND,
                 "messages": [dict(m) for m in self._history],
