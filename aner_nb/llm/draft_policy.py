@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .step_policy import micro_batches
+
 __all__ = [
     "MAX_SPECULATIVE_TOKENS", "MIN_GAIN", "MIN_DRAFT_CAP", "MATCH_BUCKETS", "RowCosts", "FREE_ROWS",
     "expected_tokens", "best_length", "batch_drafts", "DraftPolicy",
@@ -141,8 +143,6 @@ def batch_drafts(
     plain step by ``min_gain`` (the first) or beats what the drafts kept so far give (the
     others). With one decoding sequence and no prompt rows this is :func:`best_length`.
     """
-    from .step_policy import micro_batches  # step_policy imports nothing of this module
-
     def passes(chosen: dict[int, int], extra: int) -> tuple[int, ...]:
         if layout is None:
             return (rows + extra,)

@@ -57,7 +57,7 @@ from .shared_prefix import SharedPrefixes
 from .draft_policy import batch_drafts
 from .speculation import Speculator
 from .step_policy import (DECODE, PAD, AdmissionPolicy, BatchPlan, FifoAdmission, Rows, compaction_moves,
-                          kv_victim, next_sequence_id, plan_batch, plan_step)
+                          draft_room, kv_victim, next_sequence_id, plan_batch)
 from .prefix_tiers import TIER_CODES
 from .timings import BatchTimings, PoolTimings, PrefixCacheTimings, PrefixTierTimings, QueueTimings, TimingsPart
 
@@ -423,8 +423,7 @@ class Scheduler:
         """Proposals per decoding sequence for this step (:func:`batch_drafts`); each keeps its draft's tokens."""
         if self.speculator is None:
             return {}
-        step = plan_step(decoding, prefilling, self.batch_tokens)
-        rows, room = step.n_tokens, self.batch_tokens - step.n_tokens  # step_policy.draft_room's
+        step, room = draft_room(decoding, prefilling, self.batch_tokens)
         offers, drafts = [], {}
         for r in self._active:
             r.pending_drafts = []
@@ -438,7 +437,7 @@ class Scheduler:
                 drafts[r.seq] = (r, offered[0])
                 offers.append((r.seq, offered[1], offered[2]))
         # a multi-stream batch runs as micro-batches of consecutive ids with equal rows each (step_policy.micro_batches)
-        chosen = batch_drafts(offers, len(decoding), rows, room, self.speculator.costs,
+        chosen = batch_drafts(offers, len(decoding), step.n_tokens, room, self.speculator.costs,
                               layout=step.layout(), n_ubatch=self._ctx.params.n_ubatch)
         for seq, d in chosen.items():
             r, draft = drafts[seq]

@@ -144,10 +144,12 @@ def plan_step(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], ba
     return StepPlan(tuple(decoding), prefill)
 
 
-def draft_room(decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], batch_tokens: int) -> tuple[int, int]:
-    """``(rows, room)`` of the plain step :func:`plan_step` plans: its rows and the budget it leaves for drafts."""
-    n = plan_step(decoding, prefilling, batch_tokens).n_tokens
-    return n, batch_tokens - n
+def draft_room(
+    decoding: Sequence[int], prefilling: Sequence[tuple[int, int]], batch_tokens: int
+) -> tuple[StepPlan, int]:
+    """The plain step :func:`plan_step` plans and the budget it leaves for drafts."""
+    step = plan_step(decoding, prefilling, batch_tokens)
+    return step, batch_tokens - step.n_tokens
 
 
 def micro_batches(layout: Sequence[tuple[int, int]], n_ubatch: int) -> tuple[int, ...]:

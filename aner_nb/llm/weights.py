@@ -7,6 +7,7 @@ collected by its finalizer.
 
 from __future__ import annotations
 
+import functools
 import platform
 import threading
 from dataclasses import asdict, dataclass
@@ -65,33 +66,27 @@ class SharedWeights:
         self.summary = summary
         self._users = 0
         self._lock = threading.Lock()
-        self._reuse_shapes: dict[int, ReuseShape] = {}  # 1: one-sequence contexts, 2: several
 
     @property
     def fingerprint(self) -> str:
         return self.summary.fingerprint
 
-    @property
+    @functools.cached_property
     def reuse_shape(self) -> ReuseShape:
         """Where a prompt may start over cached KV on these weights' kernels (:func:`~aner_nb.llm.reuse.reuse_shape`)
         in a one-sequence context, whose saved states hold every cell (restored in place)."""
-        return self.reuse_shape_for(1)
+        types = (t for _, t in self.facts.tensor_types)
+        return reuse_shape(types, build_flags=build_flags(), machine=platform.machine(), on_cpu=self.device == "cpu")
 
     def reuse_shape_for(self, sequences: int) -> ReuseShape:
         """The reuse shape of a context of ``sequences`` sequences: with more than one, a sliding-window
         model's prefixes come back from per-sequence states whose window lands in the stream's first cells,
         so its restore points are aligned to the softmax's lanes (:func:`~aner_nb.llm.reuse.for_restored_windows`),
         tiers or not (a lease with tiers answers as one without)."""
-        key = 1 if sequences <= 1 else 2
-        shape = self._reuse_shapes.get(key)
-        if shape is None:
-            types = (t for _, t in self.facts.tensor_types)
-            flags, machine, on_cpu = build_flags(), platform.machine(), self.device == "cpu"
-            shape = reuse_shape(types, build_flags=flags, machine=machine, on_cpu=on_cpu)
-            if key == 2 and int(getattr(self.native, "n_swa", 0) or 0) > 0:
-                shape = for_restored_windows(shape, softmax_lanes(flags, machine=machine, on_cpu=on_cpu))
-            self._reuse_shapes[key] = shape
-        return shape
+        if sequences <= 1 or int(getattr(self.native, "n_swa", 0) or 0) == 0:
+            return self.reuse_shape
+        lanes = softmax_lanes(build_flags(), machine=platform.machine(), on_cpu=self.device == "cpu")
+        return for_restored_windows(self.reuse_shape, lanes)
 
     @property
     def released(self) -> bool:
