@@ -68,6 +68,7 @@ def test_round_trip_returns_tokens_payload_and_meta() -> None:
         ({"flash_attention": "on"}, "layout"),
         ({"n_swa": 512}, "layout"),
         ({"swa_full": True}, "layout"),
+        ({"state": "all_cells"}, "layout"),
     ],
 )
 def test_each_identity_field_mismatch_names_its_reason(change: dict, reason: str) -> None:
@@ -91,6 +92,15 @@ def _reheader(data: bytes, edit) -> bytes:
     edit(doc)
     header = json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
     return struct.pack("<8sI", kv_identity.MAGIC, len(header)) + header + hashlib.sha256(header).digest() + data[12 + n + 32 :]
+
+
+def test_the_state_field_is_optional_for_old_files_and_checked_when_present() -> None:
+    """A header written before ``state`` existed reads as a per-sequence state; a mistyped value is corrupt,
+    an unknown one names the layout."""
+    old = _reheader(SMALL, lambda d: d["identity"].pop("state"))
+    assert unpack_full(old, IDENTITY).identity == IDENTITY and IDENTITY.state == "sequence"
+    assert reason_of(_reheader(SMALL, lambda d: d["identity"].update(state=7))) == "corrupt"
+    assert reason_of(_reheader(SMALL, lambda d: d["identity"].update(state="x" * 4096))) == "layout"
 
 
 def test_newer_format_is_its_own_reason() -> None:
