@@ -81,21 +81,57 @@ def test_the_deadline_stops_only_the_call_it_bounds():
     assert MAX_RENDER_CHARS >= 1 << 20
 
 
-def test_an_interrupt_while_the_timer_starts_leaves_no_timer_behind(monkeypatch):
-    import threading
+def test_an_interrupt_while_the_deadline_is_armed_leaves_no_deadline_behind(monkeypatch):
+    from aner_nb.llm import deadline
 
-    start = threading.Timer.start
+    arm = deadline._WATCHDOG.arm
 
-    def start_then_interrupted(timer):  # Ctrl-C lands just after the timer thread started
-        start(timer)
+    def arm_then_interrupted(bound, seconds):  # Ctrl-C lands just after the deadline was armed
+        arm(bound, seconds)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(threading.Timer, "start", start_then_interrupted)
+    monkeypatch.setattr(deadline._WATCHDOG, "arm", arm_then_interrupted)
     with pytest.raises(KeyboardInterrupt):
         within(0.1, lambda: None)
     monkeypatch.undo()
-    time.sleep(0.4)  # an uncancelled timer would raise DeadlineExceeded here, in this thread
+    time.sleep(0.4)  # a deadline left armed would raise DeadlineExceeded here, in this thread
     assert sum(range(10)) == 45
+
+
+def _spin(seconds: float) -> str:
+    """A pure-Python loop that gives up after ``seconds`` (so a deadline that never fires fails the test)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        pass
+    return "not stopped"
+
+
+def test_one_watchdog_thread_serves_every_deadline_and_an_earlier_one_wakes_it():
+    import threading
+
+    for _ in range(50):
+        assert within(30.0, lambda: 1) == 1
+    watchdogs = [t for t in threading.enumerate() if t.name == "aner-nb-deadlines"]
+    assert len(watchdogs) == 1  # not a thread per call
+    # The watchdog sleeps until the outer call's 60 s deadline; the inner, earlier one must wake it.
+    with pytest.raises(DeadlineExceeded):
+        within(60.0, lambda: within(0.2, lambda: _spin(20.0)))
+    # Calls from several threads at once: each is stopped in its own thread, the others finish.
+    results: dict[str, object] = {}
+
+    def bounded(name: str, seconds: float, work) -> None:
+        try:
+            results[name] = within(seconds, work)
+        except DeadlineExceeded:
+            results[name] = "stopped"
+
+    threads = [threading.Thread(target=bounded, args=("loop", 0.2, lambda: _spin(20.0))),
+               threading.Thread(target=bounded, args=("quick", 30.0, lambda: sum(range(100))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"loop": "stopped", "quick": 4950}
 
 
 HOSTILE = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"

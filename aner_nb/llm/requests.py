@@ -157,7 +157,8 @@ def prompt_token_ids(
     if layout is not None:
         # Fast path: the whole render has exactly the template pieces' control tokens, in order.
         ours = [t for piece in layout if isinstance(piece, str) for t in native.tokenize(piece) if special(t)]
-        if [t for t in whole if special(t)] == ours:
+        marked = {t for t in set(whole) if special(t)}  # each distinct id asked once, not each of 1-100k positions
+        if [t for t in whole if t in marked] == ours:
             return whole
         pieces = locate_contents(text, layout, [m["content"] for m in prompt])
         if pieces is not None:
