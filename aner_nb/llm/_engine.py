@@ -39,6 +39,7 @@ __all__ = [
     "engine_build",
     "build_flags",
     "default_threads",
+    "release_compute_threads",
     "pairs_batch_columns",
     "ContextParams",
     "NativeModel",
@@ -202,6 +203,51 @@ def default_threads() -> tuple[int, int]:
     logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
     physical = psutil.cpu_count(logical=False) or logical
     return max(min(physical, logical), 1), logical
+
+
+# Engine fact: a llama.cpp CPU build with OpenMP (the default where the compiler has it) runs each graph
+# on an OpenMP team of the thread that called llama_decode, and the runtime keeps that team's workers for
+# the thread's next graph. libgomp counts the workers of every thread's team, and while they outnumber
+# the CPUs it stops each worker spinning for new work almost at once (its "throttled" spin count), so
+# every graph start waits for a woken thread. On 2 vCPUs a context decoded on a scheduler thread, while
+# the notebook's main thread kept the team of an earlier request, ran at 0.75-0.85x of the same context
+# on the main thread; freeing the idle team restored it (benchmarks/RESULTS.md, "OpenMP teams").
+_OPENMP_RUNTIMES = ("libgomp.so.1", "libomp.so.5", "libomp.so", "libiomp5.so", "libomp.dylib", "libiomp5md.dll")
+_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_hard (free the threads and their state)
+_openmp_pause: Any = None
+
+
+def _openmp_pause_fn() -> Any:
+    """``omp_pause_resource_all`` of the OpenMP runtime the engine already loaded, or False (none, or too old)."""
+    global _openmp_pause
+    if _openmp_pause is None:
+        _llama()  # the runtime is loaded with the engine's CPU backend, if the build uses one
+        found: Any = False
+        no_load = getattr(os, "RTLD_NOLOAD", 0)
+        for name in _OPENMP_RUNTIMES if no_load else ():
+            try:  # RTLD_NOLOAD: bind to a runtime already in the process, never load one
+                lib = ctypes.CDLL(name, mode=no_load | getattr(os, "RTLD_LAZY", 1))
+            except OSError:
+                continue
+            fn = getattr(lib, "omp_pause_resource_all", None)  # OpenMP 5.0 (libgomp of GCC 9+, LLVM libomp)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+                found = fn
+                break
+        _openmp_pause = found
+    return _openmp_pause
+
+
+def release_compute_threads() -> bool:
+    """Free the calling thread's idle OpenMP workers (see the engine fact above); True when a runtime did.
+
+    Called when a thread stops decoding for now (a request ends, a scheduler
+    goes idle, a model has loaded): the thread's next decode starts a new team,
+    once, instead of every other thread's decodes paying for an idle one. A no-op
+    without an OpenMP runtime, and refused by the runtime inside a parallel region.
+    """
+    fn = _openmp_pause_fn()
+    return bool(fn) and fn(_OMP_PAUSE_HARD) == 0
 
 
 _KV_TYPES = {"f16": "GGML_TYPE_F16", "q8_0": "GGML_TYPE_Q8_0", "q4_0": "GGML_TYPE_Q4_0"}

@@ -41,6 +41,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generator, Literal, Mapping, Sequence, get_args
 
+from ._engine import release_compute_threads
 from .errors import ConfigurationError, InvalidRequestError, UnsupportedFeatureError
 from .memory import kv_caches_for
 from .requests import (Prepared, RawText, as_messages, as_raw_text, new_job, prepare, prompt_token_ids,
@@ -385,6 +386,9 @@ class Lease(ABC):
                 done(ok)
             finally:
                 life.end()
+                # This thread decoded the request: its idle OpenMP workers would slow every other thread's
+                # decodes (a batching scheduler's) until its next request (_engine.release_compute_threads).
+                release_compute_threads()
 
         return pieces, job, end
 

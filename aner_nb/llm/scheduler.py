@@ -45,7 +45,7 @@ import time
 import weakref
 from typing import Callable
 
-from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
+from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, release_compute_threads
 from .context_pool import free_all
 from .errors import BusyError, ClosedError, EngineError
 from .outbox import POLL_S, Request
@@ -245,6 +245,10 @@ class Scheduler:
             self._complete(r, "cancelled")
         self._compact()
         self._step()
+        if not self._active:
+            # Nothing left to decode: free this thread's OpenMP workers, or their team would slow the decodes
+            # of every other thread (a latency lease's) while this lease is idle (release_compute_threads).
+            release_compute_threads()
         return True
 
     def _admit_locked(self) -> list[SequenceState]:
