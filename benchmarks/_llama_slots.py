@@ -63,7 +63,7 @@ def ask(client: httpx.Client, url: str, tokens: "list[int] | str", n_predict: in
     timings: dict = {}
     first, out = stream_completion(client, url, tokens, n_predict, timings)
     return {"first_token_ms": 1000.0 * first, "tokens": tuple(out), "cache_n": int(timings.get("cache_n", -1)),
-            "prompt_n": int(timings.get("prompt_n", -1))}
+            "prompt_n": int(timings.get("prompt_n", -1)), "prompt_ms": float(timings.get("prompt_ms", -1.0))}
 
 
 def slot(client: httpx.Client, url: str, action: str, filename: str) -> dict:

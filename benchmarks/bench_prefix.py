@@ -305,7 +305,8 @@ def _report_server(result) -> None:
     print(f"llama-server restore + first token: median {srv.first_token_ms.median():.1f} ms "
           f"({srv.first_token_ms.min():.1f}-{srv.first_token_ms.max():.1f}); restore alone {srv.restore_ms.median():.1f} ms; "
           f"restored tokens {int(srv.restored_tokens.median())}, cache_n {int(srv.cache_n.median())}, "
-          f"prompt_n {int(srv.prompt_n.median())}")
+          f"prompt_n {int(srv.prompt_n.median())}, its prompt evaluation {srv.prompt_ms.median():.1f} ms (ours "
+          f"{f[f.side == 'restored'].prompt_eval_ms.median():.1f} ms)")
     print(f"ours restored: median {ours.median():.1f} ms ({ours.min():.1f}-{ours.max():.1f}); llama-server / ours: "
           f"ratio of medians {srv.first_token_ms.median() / ours.median():.2f}, paired median {paired.median():.2f} "
           f"({paired.min():.2f}-{paired.max():.2f}); >= 1 means ours is no slower")
