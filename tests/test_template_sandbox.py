@@ -134,6 +134,26 @@ def test_one_watchdog_thread_serves_every_deadline_and_an_earlier_one_wakes_it()
     assert results == {"loop": "stopped", "quick": 4950}
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork: POSIX only")
+def test_a_forked_child_bounds_its_own_calls():
+    import threading
+
+    assert within(5.0, lambda: 1) == 1  # the parent's watchdog thread runs
+    assert any(t.name == "aner-nb-deadlines" for t in threading.enumerate())
+    pid = os.fork()
+    if pid == 0:  # the child: no watchdog thread was copied, and none of the parent's deadlines are its own
+        code = 1
+        try:
+            within(0.2, lambda: _spin(20.0))
+        except DeadlineExceeded:
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
 HOSTILE = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
 
 
