@@ -65,3 +65,17 @@ def test_release_is_a_no_op_on_a_thread_that_never_decoded(openmp):
     before = _os_threads()
     assert _engine.release_compute_threads() is True
     assert _os_threads() == before
+
+
+def test_measuring_row_costs_leaves_no_workers_on_the_building_thread(llama_path, openmp):
+    from aner_nb.llm._engine import ContextParams
+    from aner_nb.llm.row_costs import measure_row_costs
+
+    # A speculative lease measures its row costs on the thread that builds it; its requests may then
+    # decode on a scheduler thread, which an idle team here would slow down.
+    params = ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2)
+    with llm.load(llama_path, context=256) as model:
+        before = _os_threads()
+        points = measure_row_costs(model._weights.native, params, 3, rounds=1)
+        assert [k for k, _ in points] == [1, 2, 3]
+        assert _os_threads() == before

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ._engine import Batch, ContextParams, NativeContext, NativeModel, engine_build
+from ._engine import Batch, ContextParams, NativeContext, NativeModel, engine_build, release_compute_threads
 from .cache import cache_dir
 from .cpu_guard import build_signature, cpu_signature
 from .draft_policy import MAX_SPECULATIVE_TOKENS, RowCosts
@@ -40,7 +40,9 @@ log = logging.getLogger("aner_nb.llm")
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 56, 65)
 PROBE_PREFIX = 64  # KV positions before the measured rows, as after a short prompt
 PROBE_ROUNDS = 3
-_VERSION = 1
+# 2: points measured since idle OpenMP teams are freed (_engine.release_compute_threads); a version-1 point
+# could include every graph's wait for a worker that another thread's idle team had throttled.
+_VERSION = 2
 _MAX_SECONDS = 60.0  # a cached step time above this is not a measurement of a decode step
 
 
@@ -96,6 +98,7 @@ def measure_row_costs(model: NativeModel, params: ContextParams, rows: int, *, r
     finally:
         batch.free()
         ctx.free()
+        release_compute_threads()  # a lease is built here; its requests may decode on another thread
 
 
 def _decode(ctx: NativeContext, batch: Batch) -> None:
