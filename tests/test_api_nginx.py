@@ -104,7 +104,7 @@ def replicas(llama_path):
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "aner_nb", "serve", str(llama_path), "--port", "0", "--context", "512",
-             "--max-sequences", "2", "--max-tokens", "8", "--threads", "1"],
+             "--max-sequences", "2", "--max-tokens", "64", "--threads", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for _ in range(2)
@@ -160,10 +160,11 @@ def test_requests_spread_over_replicas_and_fail_over(replicas, gateway):
             assert served and float(served.group(1)) == used.count(str(port))
 
         # SSE passes the gateway unbuffered: the events arrive in several reads while the answer is
-        # being generated, not as one body at the end (what proxy buffering would deliver).
+        # being generated, not as one body at the end (what proxy buffering would deliver). 64 tokens: an
+        # 8-token answer of the tiny model can be written in ~1 ms, and once arrived in 2 reads on CI.
         reads = []
         with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                                  "max_tokens": 8, "stream": True}) as s:
+                                                                  "max_tokens": 64, "stream": True}) as s:
             for raw in s.iter_raw():
                 if raw:
                     reads.append((time.monotonic(), raw))
