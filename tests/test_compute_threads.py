@@ -67,14 +67,16 @@ def test_release_is_a_no_op_on_a_thread_that_never_decoded(openmp):
     assert _os_threads() == before
 
 
-def test_measuring_row_costs_leaves_no_workers_on_the_building_thread(llama_path, openmp):
+def test_a_thread_that_frees_a_context_frees_its_workers_too(llama_path, openmp):
     from aner_nb.llm._engine import ContextParams
     from aner_nb.llm.row_costs import measure_row_costs
 
-    # A speculative lease measures its row costs on the thread that builds it; its requests may then
-    # decode on a scheduler thread, which an idle team here would slow down.
+    # A speculative lease measures its row costs on the thread that builds it, on a context it frees
+    # (NativeContext.free); its requests may then decode on a scheduler thread, which an idle team here
+    # would slow down.
     params = ContextParams(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2)
     with llm.load(llama_path, context=256) as model:
+        _engine.release_compute_threads()  # this thread holds no team now, whatever ran before
         before = _os_threads()
         points = measure_row_costs(model._weights.native, params, 3, rounds=1)
         assert [k for k, _ in points] == [1, 2, 3]

@@ -241,10 +241,12 @@ def _openmp_pause_fn() -> Any:
 def release_compute_threads() -> bool:
     """Free the calling thread's idle OpenMP workers (see the engine fact above); True when a runtime did.
 
-    Called when a thread stops decoding for now (a request ends, a scheduler
-    goes idle, a model has loaded): the thread's next decode starts a new team,
-    once, instead of every other thread's decodes paying for an idle one. A no-op
-    without an OpenMP runtime, and refused by the runtime inside a parallel region.
+    Called when a thread stops decoding for now: it frees a context (a load's
+    warm-up, a row-cost probe, embeddings: :meth:`NativeContext.free`), a
+    request on a kept context ends, a scheduler goes idle. The thread's next
+    decode starts a new team, once, instead of every other thread's decodes
+    paying for an idle one. A no-op without an OpenMP runtime, and refused by
+    the runtime inside a parallel region.
     """
     fn = _openmp_pause_fn()
     return bool(fn) and fn(_OMP_PAUSE_HARD) == 0
@@ -547,6 +549,19 @@ class NativeContext(_Owner):
             except BaseException:
                 self.free()
                 raise
+
+    def free(self) -> bool:
+        """Free now (True if this call released the context), then this thread's idle OpenMP workers.
+
+        A thread that frees a context is done decoding with it (a warm-up, a
+        probe, an embedding batch, an evicted entry), so its team goes too
+        (:func:`release_compute_threads`); contexts that outlive a request are
+        released for at the request's end or the scheduler's idle instead.
+        """
+        released = super().free()
+        if released:
+            release_compute_threads()
+        return released
 
     def decode(self, batch: "Batch") -> int:
         """Run one ``llama_decode``; returns 0, or 1 when no KV slot fits; raises on errors."""

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, release_compute_threads
+from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext
 from .draft_policy import MAX_SPECULATIVE_TOKENS
 from .errors import EngineError
 from .lease import LLMModel
@@ -294,7 +294,6 @@ def _in_context(weights: Any, params: Any, work: Any) -> Any:
     finally:
         ctx.free()
         batch.free()
-        release_compute_threads()  # see _engine: this thread's idle workers would slow other threads' decodes
 
 
 def _plain_replay(

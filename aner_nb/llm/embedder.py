@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._engine import Batch, NativeContext, release_compute_threads
+from ._engine import Batch, NativeContext
 from .embeddings import as_inputs, check_token_ids, declared_pooling, normalized, plan, resolve_pooling
 from .errors import EngineError, InvalidRequestError
 
@@ -91,5 +91,4 @@ def embed_tokens(
             batch.free()
     finally:
         ctx.free()
-        release_compute_threads()  # this thread's idle OpenMP workers would slow other threads' decodes
     return out

@@ -248,7 +248,6 @@ def _warm_up(native: _engine.NativeModel, params: _engine.ContextParams) -> int:
     finally:
         batch.free()
         ctx.free()
-        _engine.release_compute_threads()  # the loading thread's workers must not outlive the load (see there)
     return time.perf_counter_ns() - t0
 
 

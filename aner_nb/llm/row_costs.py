@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ._engine import Batch, ContextParams, NativeContext, NativeModel, engine_build, release_compute_threads
+from ._engine import Batch, ContextParams, NativeContext, NativeModel, engine_build
 from .cache import cache_dir
 from .cpu_guard import build_signature, cpu_signature
 from .draft_policy import MAX_SPECULATIVE_TOKENS, RowCosts
@@ -98,7 +98,6 @@ def measure_row_costs(model: NativeModel, params: ContextParams, rows: int, *, r
     finally:
         batch.free()
         ctx.free()
-        release_compute_threads()  # a lease is built here; its requests may decode on another thread
 
 
 def _decode(ctx: NativeContext, batch: Batch) -> None:
