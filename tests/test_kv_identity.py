@@ -143,6 +143,7 @@ def _format_1(data: bytes) -> bytes:
     body = data[12 + n + 32 :]
 
     def edit(doc: dict) -> None:
+        assert doc.pop("logits_bytes") == 0  # formats 1 and 2 had no logits
         del doc["body_xxh3_128"]
         doc.update(format=1, body_sha256=hashlib.sha256(body).hexdigest())
 
@@ -158,6 +159,61 @@ def test_format_1_files_are_still_read_and_checked() -> None:
     assert reason_of(old[:-1] + bytes([old[-1] ^ 1])) == "corrupt"  # its SHA-256 is checked
     # and a format 1 header with the format 2 checksum field is malformed
     assert reason_of(_reheader(data, lambda d: d.update(format=1))) == "corrupt"
+
+
+def test_format_2_files_are_still_read_and_have_no_logits() -> None:
+    data = pack(IDENTITY, TOKENS, PAYLOAD, meta={"trusted": [1]})
+    old = _reheader(data, lambda d: (d.pop("logits_bytes"), d.update(format=2)))
+    full = unpack_full(old, IDENTITY)
+    assert (full.tokens, bytes(full.payload), full.meta, full.logits) == (TOKENS, PAYLOAD, {"trusted": [1]}, None)
+    # format 2 knew no logits_bytes; format 3 must name it
+    assert reason_of(_reheader(data, lambda d: d.update(format=2))) == "corrupt"
+    assert reason_of(_reheader(data, lambda d: d.pop("logits_bytes"))) == "corrupt"
+
+
+LOGITS = np.linspace(-3.0, 5.0, 97, dtype="<f4")
+
+
+def test_last_row_logits_round_trip_and_are_checksummed(tmp_path: Path) -> None:
+    """A whole prompt's entry keeps the float32 row of its last token; every byte of it is in the checksum."""
+    data = pack(IDENTITY, TOKENS, PAYLOAD, logits=LOGITS)
+    full = unpack_full(data, IDENTITY)
+    assert bytes(full.payload) == PAYLOAD and bytes(full.logits) == LOGITS.tobytes()
+    in_place = kv_identity.pack_in_place(
+        IDENTITY, TOKENS, len(PAYLOAD) + 9, lambda view: _fill(view, PAYLOAD), logits=LOGITS
+    )
+    assert bytes(in_place) == data  # the in-place writer and pack agree byte for byte
+    write_atomic(tmp_path / "x.kv", data)
+    assert bytes(read_file(tmp_path / "x.kv", IDENTITY).logits) == LOGITS.tobytes()
+    start = data.index(LOGITS.tobytes())
+    for i in (start, start + 4 * 50 + 2, start + LOGITS.nbytes - 1):
+        assert reason_of(data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1 :]) == "corrupt"
+    assert reason_of(data[:-1]) == "truncated"
+
+
+def _fill(view: memoryview, payload: bytes) -> int:
+    view[: len(payload)] = payload
+    return len(payload)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(logits_bytes=-4),
+        lambda d: d.update(logits_bytes=kv_identity.MAX_LOGITS_BYTES + 4),
+        lambda d: d.update(logits_bytes=6),  # not whole float32 values
+        lambda d: d.update(logits_bytes="388"),
+        lambda d: d.update(logits_bytes=True),
+    ],
+)
+def test_malformed_logits_sizes_are_corrupt(edit) -> None:
+    assert reason_of(_reheader(pack(IDENTITY, TOKENS, PAYLOAD, logits=LOGITS), edit)) == "corrupt"
+
+
+def test_the_writer_refuses_logits_the_reader_would_refuse() -> None:
+    for bad in (b"", b"abc", np.zeros(kv_identity.MAX_LOGITS_BYTES // 4 + 1, dtype="<f4")):
+        with pytest.raises(ValueError, match="float32"):
+            pack(IDENTITY, TOKENS, PAYLOAD, logits=bad)
 
 
 def test_a_flipped_payload_bit_anywhere_is_corrupt() -> None:

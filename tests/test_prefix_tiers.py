@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -299,10 +300,11 @@ def test_an_entry_demoted_while_its_write_through_is_queued_is_not_serialised_ag
         try:
             ask(fast, QUESTIONS[0])
             (kept,) = fast._state.pool.retained_tokens()
-            assert len(copies) == 1 and store.writer.pending(kept) is not None
+            (whole,) = store.writer.pending_keys()  # the whole prompt, with its last row's logits
+            assert len(copies) == 1 and whole[: len(kept)] == kept and len(whole) > len(kept)
             fast.generate("Something else entirely, with no shared evidence at all.", max_tokens=4)  # evicts
             assert len(copies) == 2  # the new prompt's own write-through only
-            assert store.ram.get(kept) is store.writer.pending(kept)
+            assert store.ram.keys() == [whole] and store.ram.get(whole) is store.writer.pending(whole)
             again = ask(fast, QUESTIONS[1])
             assert again.tokens == cold[QUESTIONS[1]] and again.timings.prefix_cache_tier == TIER_CODES["ram"]
         finally:
@@ -363,6 +365,91 @@ def test_a_bad_file_is_skipped_counted_and_the_request_runs_cold(base, cold, tmp
     # the skipped file was replaced by this lease's own; the next fresh lease restores it
     r2, stats2 = fresh_request(base, tmp_path, cold, QUESTIONS[1])
     assert r2.timings.prefix_cache_tier == TIER_CODES["disk"] and stats2["hits"] == {"disk": 1}
+
+
+# -- a whole prompt asked again: stored with its last row's logits, it evaluates nothing ---------------
+def test_a_prompt_asked_again_after_a_restart_evaluates_nothing(base, cold, tmp_path):
+    """The first token comes from the stored row: the cold run's logprobs bit for bit, then the same decode."""
+    fill(base, tmp_path)
+    prompt, opts = f"{LONG}\n{QUESTIONS[0]}", dict(max_tokens=8, logprobs=True, top_logprobs=4)
+    with base.with_optimizer(prefix_cache_entries=1) as plain:
+        want = plain.generate(prompt, **opts)
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fresh:
+        r = fresh.generate(prompt, **opts)
+        assert fresh._state.pool.store.flush(timeout=60)
+        stats = fresh._state.pool.store.stats.snapshot()
+    t = r.timings
+    assert r.tokens == want.tokens == cold[QUESTIONS[0]] and r.logprobs == want.logprobs
+    assert t.prefix_cache_tier == TIER_CODES["disk"] and t.evaluated_prompt_tokens == 0
+    assert t.prefix_restored_tokens == r.usage.cached_input_tokens == r.usage.prompt_tokens
+    assert stats["hits"] == {"disk": 1} and stats["skips"] == {}
+    assert len(list(tmp_path.glob("*.kv"))) == 1  # asked again, nothing new is written
+
+
+@pytest.mark.parametrize("opts", [
+    dict(temperature=0.9, seed=11, top_k=40),
+    dict(temperature=0.7, seed=3, repeat_penalty=1.3, min_p=0.02),
+])
+def test_a_sampled_first_token_from_stored_logits_is_the_cold_runs(base, tmp_path, opts):
+    """A sampler chain applied to the stored row (``Sampler.sample_row``) draws what llama.cpp's own
+    ``llama_sampler_sample`` drew from the context's row in the cold run, and the chain's state follows."""
+    prompt = f"{LONG}\n{QUESTIONS[0]}"
+    fill(base, tmp_path)
+    with base.with_optimizer(prefix_cache_entries=1) as plain:
+        want = [plain.generate(prompt, max_tokens=8, **opts).tokens for _ in range(2)]
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fresh:
+        r = fresh.generate(prompt, max_tokens=8, **opts)
+    assert want[0] == want[1]  # seeded: the cold run is repeatable
+    assert r.timings.evaluated_prompt_tokens == 0 and r.tokens == want[0]
+
+
+@pytest.mark.parametrize("bad", ["short", "nan", "inf"])
+def test_stored_logits_that_are_not_one_finite_row_are_skipped(base, cold, tmp_path, bad):
+    """A well-formed file (its checksum matches) whose logits are not one finite float per vocabulary entry
+    is never used, not even for its body: counted as corrupt, the request runs cold, the file is replaced."""
+    path = fill(base, tmp_path)
+    data = path.read_bytes()
+    header_len = int.from_bytes(data[8:12], "little")
+    identity = kv_identity.KVIdentity.from_json(json.loads(data[12:12 + header_len])["identity"])
+    full = kv_identity.unpack_full(data, identity)
+    row = np.frombuffer(full.logits, dtype="<f4").copy()
+    assert row.size == base._weights.native.n_vocab and np.isfinite(row).all()
+    if bad == "short":
+        row = row[:-1]
+    else:
+        row[7] = np.nan if bad == "nan" else np.inf
+    forged = kv_identity.pack(identity, full.tokens, full.payload, logits=row)
+    for question in QUESTIONS[0], QUESTIONS[2]:  # the same prompt, and one that would reuse the body
+        directory = tmp_path / f"for-{QUESTIONS.index(question)}"
+        directory.mkdir()
+        (directory / path.name).write_bytes(forged)
+        (directory / path.with_suffix(".tok").name).write_bytes(path.with_suffix(".tok").read_bytes())
+        r, stats = fresh_request(base, directory, cold, question)
+        assert r.timings.prefix_cache_tier == TIER_CODES["cold"] and stats["skips"] == {"corrupt": 1}
+    # the lease replaced the file it skipped with its own: the next one is served from it
+    r, stats = fresh_request(base, tmp_path / "for-0", cold, QUESTIONS[0])
+    assert r.timings.prefix_cache_tier == TIER_CODES["disk"] and r.timings.evaluated_prompt_tokens == 0
+
+
+def test_a_longer_prompt_reuses_only_the_body_of_a_whole_prompt_entry(base, tmp_path):
+    """The rows after a whole prompt's body were its tail, evaluated in a call of their own: a prompt that
+    continues it restores at most the body, as it would from a live entry, and answers as the cold run does."""
+    text = f"{LONG}\n{QUESTIONS[0]}"
+    longer = text + " Answer with the item's name and its weight in units."
+    whole = base.tokenize(text)
+    assert base.tokenize(longer)[: len(whole)] == whole  # the stored prompt is a prefix of the longer one
+    with base.with_optimizer(prefix_cache_entries=1) as plain:
+        want = plain.complete(longer, max_tokens=8)
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as writer:
+        writer.complete(text, max_tokens=8)
+        shape = writer.reuse_shape
+    (path,) = tmp_path.glob("*.kv")
+    assert parse_file_name(path.name)[0] == len(whole)  # stored whole
+    with base.with_optimizer(prefix_cache_entries=1, prefix_cache_dir=tmp_path) as fresh:
+        r = fresh.complete(longer, max_tokens=8)
+    body = shape.retained_rows(len(whole), len(whole))
+    assert r.timings.prefix_cache_tier == TIER_CODES["disk"] and 0 < r.timings.prefix_restored_tokens <= body
+    assert r.tokens == want.tokens
 
 
 def test_a_file_of_another_model_is_never_restored(base, cold, tmp_path):
@@ -573,9 +660,10 @@ def test_gemma_fixture_restores_exactly_from_ram_and_disk(fixture_models, one_th
         with gemma.with_optimizer(**opts) as fast:
             ask(fast, QUESTIONS[0])
             fast.generate("Something else entirely, with no shared evidence at all.", max_tokens=2)
-            r = ask(fast, QUESTIONS[0])  # the same prompt: its entry is whole and ends where reuse allows
+            r = ask(fast, QUESTIONS[0])  # the same prompt: its entry is the whole prompt, with its last row's logits
             assert r.tokens == cold[QUESTIONS[0]] and r.timings.prefix_cache_tier == TIER_CODES["ram"]
-            assert r.timings.prefix_restored_tokens == fast.reuse_shape.reuse_limit(r.usage.prompt_tokens) > n_swa
+            assert r.timings.prefix_restored_tokens == r.usage.prompt_tokens > n_swa
+            assert r.timings.evaluated_prompt_tokens == 0
             other = ask(fast, QUESTIONS[1])  # would need the entry cut shorter than saved: runs cold
             assert other.tokens == cold[QUESTIONS[1]] and other.timings.prefix_cache_tier in (TIER_CODES["cold"],
                                                                                               TIER_CODES["live"])

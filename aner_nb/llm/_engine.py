@@ -916,6 +916,26 @@ class Sampler(_Owner):
         """Sample from output row ``i`` and record the token in every stage's state (grammar, penalties)."""
         return int(self._lib.llama_sampler_sample(self.ptr, ctx.ptr, i))
 
+    def sample_row(self, logits: np.ndarray) -> int:
+        """:meth:`sample` from a logits row kept outside any context (a stored prompt's last row).
+
+        What ``llama_sampler_sample`` does with a context's row, through the public
+        API: one candidate per vocabulary entry in token order, the chain applied,
+        the selected token recorded in every stage.
+        """
+        lib = self._lib
+        n = int(logits.shape[0])
+        data = (lib.llama_token_data * n)()
+        view = np.ctypeslib.as_array(data)  # fields id, logit, p
+        view["id"], view["logit"], view["p"] = np.arange(n, dtype=np.int32), logits, 0.0
+        cur = lib.llama_token_data_array(data, n, -1, False)
+        lib.llama_sampler_apply(self.ptr, ctypes.byref(cur))
+        if not 0 <= cur.selected < cur.size:
+            raise EngineError(f"the sampler chain selected no token (selected {cur.selected} of {cur.size})")
+        token = int(cur.data[cur.selected].id)
+        lib.llama_sampler_accept(self.ptr, token)
+        return token
+
 
 # llama.cpp parses a grammar by recursion (about 460 bytes of stack per ( ) level and 130 per rule in a
 # chain of leftmost references, measured); aner_nb.llm.constraints bounds both, and the parse runs on a

@@ -56,11 +56,16 @@ def free_all(owners: Sequence[Any]) -> None:
 
 @dataclass
 class Acquired:
-    """A context handed to one request: ``n_cached`` prompt tokens already in its KV."""
+    """A context handed to one request: ``n_cached`` prompt tokens already in its KV.
+
+    ``logits``: the prompt's last row, when a stored entry restored the whole
+    prompt (``n_cached`` is then its length; see :mod:`aner_nb.llm.prefix_store`).
+    """
 
     slot: ContextSlot
     n_cached: int
     timings: tuple[TimingsPart, ...]
+    logits: Any = None
 
 
 class ContextPool:

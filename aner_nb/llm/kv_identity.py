@@ -11,19 +11,22 @@ native code before every check has passed.
 File layout (little endian)::
 
     MAGIC (8 bytes) | header length (u32) | header (JSON, UTF-8) | SHA-256 of the header (32 bytes)
-    | tokens (int32 x n_tokens) | payload (payload_bytes)
+    | tokens (int32 x n_tokens) | meta (meta_bytes) | logits (logits_bytes) | payload (payload_bytes)
 
 The header names the format version, the identity, ``n_tokens``,
 ``payload_bytes``, ``meta_bytes`` (a JSON document of the caller's: a
-conversation's history) and a checksum of the tokens, meta and payload. Every
-size is capped (:data:`MAX_HEADER_BYTES`, :data:`MAX_TOKENS`, a payload cap) and
-checked before anything of that size is allocated or read.
+conversation's history), ``logits_bytes`` (format 3: the float32 logits of the
+last token's row, kept with a whole prompt so that asking it again evaluates
+nothing; 0 when absent) and a checksum of the tokens, meta, logits and payload.
+Every size is capped (:data:`MAX_HEADER_BYTES`, :data:`MAX_TOKENS`,
+:data:`MAX_LOGITS_BYTES`, a payload cap) and checked before anything of that
+size is allocated or read.
 
 The body checksum detects corruption (a torn copy, a flipped bit), not forgery:
 anyone who can write the directory can write a matching header, so it need not be
-cryptographic. Format 2 uses xxh3-128 (``body_xxh3_128``; ~2 ms on a 40 MB state,
-where SHA-256 took ~25-55 ms and dominated a restore); format 1 files
-(``body_sha256``) are still read.
+cryptographic. Formats 2 and 3 use xxh3-128 (``body_xxh3_128``; ~2 ms on a 40 MB
+state, where SHA-256 took ~25-55 ms and dominated a restore); format 1 files
+(``body_sha256``) and format 2 files (no logits) are still read.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_TOKENS",
     "MAX_META_BYTES",
+    "MAX_LOGITS_BYTES",
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "REASONS",
     "KVIdentity",
@@ -62,11 +66,12 @@ __all__ = [
     "write_cache_file",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAGIC = b"ANERKV\r\n"  # CR LF: a text-mode copy that rewrites line ends breaks the magic, not the payload
 MAX_HEADER_BYTES = 16 * 1024
 MAX_TOKENS = 1 << 20  # 16 sequences of the largest admitted context (65,536)
 MAX_META_BYTES = 16 * 1024 * 1024
+MAX_LOGITS_BYTES = 4 * (1 << 22)  # one float32 row of a vocabulary of up to 4M tokens (Gemma 3: 262,144)
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024**3
 
 # Why a stored state was refused (StateMismatchError.reason); callers count skips by these.
@@ -90,7 +95,9 @@ _DIGEST = 32  # the header's own SHA-256 (a few hundred bytes: its cost does not
 _BODY_DIGESTS: dict[int, tuple[str, Callable[[], Any], int]] = {
     1: ("body_sha256", hashlib.sha256, 64),
     2: ("body_xxh3_128", xxhash.xxh3_128, 32),
+    3: ("body_xxh3_128", xxhash.xxh3_128, 32),
 }
+_LOGITS_SINCE = 3  # the first format whose header has logits_bytes
 
 
 @dataclass(frozen=True)
@@ -241,16 +248,19 @@ def _short(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Unpacked:
-    """A verified state file: its identity, tokens, the caller's metadata and the native payload.
+    """A verified state file: its identity, tokens, the caller's metadata, last-row logits and the native payload.
 
-    ``payload`` is a view into the bytes that were verified (no copy); it is valid
-    as long as the ``Unpacked`` is referenced.
+    ``payload`` and ``logits`` (float32 little endian, or None) are views into the
+    bytes that were verified (no copy); they are valid as long as the ``Unpacked``
+    is referenced. How many logits a row must have is the caller's check (the
+    model's vocabulary).
     """
 
     identity: KVIdentity
     tokens: tuple[int, ...]
     meta: Any
     payload: memoryview
+    logits: memoryview | None = None
 
 
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
@@ -260,20 +270,24 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be int32: {exc}") from exc
 
 
-def pack(identity: KVIdentity, tokens: Sequence[int], payload: bytes, *, meta: Any = None) -> bytes:
-    """One state file's bytes: ``identity``, the ``tokens`` the state holds, ``payload`` and optional ``meta``.
+def pack(
+    identity: KVIdentity, tokens: Sequence[int], payload: bytes, *, meta: Any = None, logits: Any = None
+) -> bytes:
+    """One state file's bytes: ``identity``, the ``tokens`` the state holds, ``payload``, optional ``meta`` and
+    ``logits``.
 
-    ``meta`` is any JSON value (a saved conversation's history). Sizes above the caps
-    raise ``ValueError``: the writer never produces a file the reader would refuse.
+    ``meta`` is any JSON value (a saved conversation's history); ``logits`` the
+    float32 row of the last token (anything with the buffer protocol). Sizes above
+    the caps raise ``ValueError``: the writer never produces a file the reader would refuse.
     """
-    token_bytes, meta_bytes = _body_parts(tokens, len(payload), meta)
-    digest = _body_digest(FORMAT_VERSION, token_bytes, meta_bytes, payload)
-    front = _front(identity, len(tokens), meta_bytes, len(payload), digest)
-    return b"".join((front, token_bytes, meta_bytes, payload))
+    token_bytes, meta_bytes, logit_bytes = _body_parts(tokens, len(payload), meta, logits)
+    digest = _body_digest(FORMAT_VERSION, token_bytes, meta_bytes, logit_bytes, payload)
+    front = _front(identity, len(tokens), meta_bytes, len(logit_bytes), len(payload), digest)
+    return b"".join((front, token_bytes, meta_bytes, logit_bytes, payload))
 
 
 def pack_in_place(
-    identity: KVIdentity, tokens: Sequence[int], size: int, fill: Callable[[memoryview], int]
+    identity: KVIdentity, tokens: Sequence[int], size: int, fill: Callable[[memoryview], int], *, logits: Any = None
 ) -> bytearray:
     """:func:`pack`'s bytes for a payload of ``size`` bytes that ``fill`` writes straight into them.
 
@@ -283,9 +297,10 @@ def pack_in_place(
     at 2 vCPUs, mostly page faults on new buffers). A short copy is packed at
     the size written.
     """
-    token_bytes, meta_bytes = _body_parts(tokens, size, None)
+    token_bytes, meta_bytes, logit_bytes = _body_parts(tokens, size, None, logits)
     placeholder = "0" * _BODY_DIGESTS[FORMAT_VERSION][2]  # a hex digest's length is fixed: so is the front's
-    start = len(_front(identity, len(tokens), meta_bytes, size, placeholder)) + len(token_bytes)
+    lead = len(token_bytes) + len(logit_bytes)  # the body before the payload (no meta here)
+    start = len(_front(identity, len(tokens), meta_bytes, len(logit_bytes), size, placeholder)) + lead
     out = bytearray(start + size)
     with memoryview(out) as view:
         with view[start:] as room:
@@ -293,18 +308,22 @@ def pack_in_place(
         if not 0 < written <= size:
             raise ValueError(f"the state copy wrote {written} of {size} bytes")
         with view[start : start + written] as payload:
-            digest = _body_digest(FORMAT_VERSION, token_bytes, b"", payload)
-            front = _front(identity, len(tokens), meta_bytes, written, digest)
-            if len(front) + len(token_bytes) != start:  # the size written changed the header's length
-                return bytearray(pack(identity, tokens, bytes(payload)))
+            digest = _body_digest(FORMAT_VERSION, token_bytes, b"", logit_bytes, payload)
+            front = _front(identity, len(tokens), meta_bytes, len(logit_bytes), written, digest)
+            if len(front) + lead != start:  # the size written changed the header's length
+                return bytearray(pack(identity, tokens, bytes(payload), logits=logit_bytes or None))
         view[: len(front)] = front
-        view[len(front) : start] = token_bytes
+        view[len(front) : len(front) + len(token_bytes)] = token_bytes
+        view[len(front) + len(token_bytes) : start] = logit_bytes
     del out[start + written :]  # no view is left: the buffer may shrink
     return out
 
 
-def _body_parts(tokens: Sequence[int], payload_bytes: int, meta: Any) -> tuple[bytes, bytes]:
-    """The token and metadata bytes of a state file, checked against the caps (``ValueError``)."""
+def _body_parts(tokens: Sequence[int], payload_bytes: int, meta: Any, logits: Any = None) -> tuple[bytes, bytes, bytes]:
+    """The token, metadata and logits bytes of a state file, checked against the caps (``ValueError``)."""
+    logit_bytes = b"" if logits is None else bytes(memoryview(logits).cast("B"))
+    if len(logit_bytes) % 4 or len(logit_bytes) > MAX_LOGITS_BYTES or (logits is not None and not logit_bytes):
+        raise ValueError(f"logits must be 1..{MAX_LOGITS_BYTES // 4} float32 values, got {len(logit_bytes)} bytes")
     if len(tokens) > MAX_TOKENS:
         raise ValueError(f"{len(tokens)} tokens exceed the state file cap of {MAX_TOKENS}")
     if payload_bytes > DEFAULT_MAX_PAYLOAD_BYTES:
@@ -312,10 +331,12 @@ def _body_parts(tokens: Sequence[int], payload_bytes: int, meta: Any) -> tuple[b
     meta_bytes = b"" if meta is None else json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode()
     if len(meta_bytes) > MAX_META_BYTES:
         raise ValueError(f"{len(meta_bytes)} bytes of metadata exceed the cap of {MAX_META_BYTES}")
-    return _tokens_bytes(tokens), meta_bytes
+    return _tokens_bytes(tokens), meta_bytes, logit_bytes
 
 
-def _front(identity: KVIdentity, n_tokens: int, meta_bytes: bytes, payload_bytes: int, digest: str) -> bytes:
+def _front(
+    identity: KVIdentity, n_tokens: int, meta_bytes: bytes, logits_bytes: int, payload_bytes: int, digest: str
+) -> bytes:
     """Magic, header length, the JSON header and its SHA-256: everything before the tokens."""
     header = json.dumps(
         {
@@ -323,6 +344,7 @@ def _front(identity: KVIdentity, n_tokens: int, meta_bytes: bytes, payload_bytes
             "identity": identity.to_json(),
             "n_tokens": n_tokens,
             "meta_bytes": len(meta_bytes),
+            "logits_bytes": logits_bytes,
             "payload_bytes": payload_bytes,
             _BODY_DIGESTS[FORMAT_VERSION][0]: digest,
         },
@@ -335,10 +357,11 @@ def _front(identity: KVIdentity, n_tokens: int, meta_bytes: bytes, payload_bytes
 
 
 def _body_digest(
-    version: int, token_bytes: "bytes | memoryview", meta_bytes: "bytes | memoryview", payload: "bytes | memoryview"
+    version: int, token_bytes: "bytes | memoryview", meta_bytes: "bytes | memoryview",
+    logit_bytes: "bytes | memoryview", payload: "bytes | memoryview",
 ) -> str:
     h = _BODY_DIGESTS[version][1]()
-    for part in (token_bytes, meta_bytes, payload):
+    for part in (token_bytes, meta_bytes, logit_bytes, payload):
         h.update(part)
     return h.hexdigest()
 
@@ -348,6 +371,7 @@ class _Header:
     identity: KVIdentity
     n_tokens: int
     meta_bytes: int
+    logits_bytes: int
     payload_bytes: int
     version: int
     body_digest: str
@@ -355,7 +379,7 @@ class _Header:
 
     @property
     def end(self) -> int:
-        return self.body_offset + 4 * self.n_tokens + self.meta_bytes + self.payload_bytes
+        return self.body_offset + 4 * self.n_tokens + self.meta_bytes + self.logits_bytes + self.payload_bytes
 
 
 def _parse_header(prefix: bytes, *, max_payload_bytes: int) -> _Header:
@@ -393,20 +417,30 @@ def _parse_header(prefix: bytes, *, max_payload_bytes: int) -> _Header:
         )
     digest_field, _, digest_len = _BODY_DIGESTS[version]
     keys = {"format", "identity", "n_tokens", "meta_bytes", "payload_bytes", digest_field}
+    if version >= _LOGITS_SINCE:
+        keys.add("logits_bytes")
     if set(doc) != keys:
         raise StateMismatchError("the state header has missing or unknown fields", reason="corrupt")
     identity = KVIdentity.from_json(doc["identity"])
     caps = {"n_tokens": MAX_TOKENS, "meta_bytes": MAX_META_BYTES, "payload_bytes": max_payload_bytes}
+    if version >= _LOGITS_SINCE:
+        caps["logits_bytes"] = MAX_LOGITS_BYTES
     for name, cap in caps.items():
         value = doc[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= cap:
             raise StateMismatchError(f"the state header's {name} {_short(value)} is outside 0..{cap}", reason="corrupt")
+    logits_bytes = doc.get("logits_bytes", 0)
+    if logits_bytes % 4:
+        raise StateMismatchError(f"the state header's logits_bytes {logits_bytes} is not whole float32 values",
+                                 reason="corrupt")
     digest = doc[digest_field]
     if not isinstance(digest, str) or len(digest) != digest_len:
         raise StateMismatchError(
             f"the state header's {digest_field} is not a {digest_len}-character hex digest", reason="corrupt"
         )
-    return _Header(identity, doc["n_tokens"], doc["meta_bytes"], doc["payload_bytes"], version, digest, body_offset)
+    return _Header(
+        identity, doc["n_tokens"], doc["meta_bytes"], logits_bytes, doc["payload_bytes"], version, digest, body_offset
+    )
 
 
 def _finish(header: _Header, body: "bytes | bytearray | memoryview", total: int) -> Unpacked:
@@ -425,9 +459,11 @@ def _finish(header: _Header, body: "bytes | bytearray | memoryview", total: int)
         )
     token_end = 4 * header.n_tokens
     meta_end = token_end + header.meta_bytes
+    logits_end = meta_end + header.logits_bytes
     view = memoryview(body)
-    token_bytes, meta_bytes, payload = view[:token_end], view[token_end:meta_end], view[meta_end:]
-    if _body_digest(header.version, token_bytes, meta_bytes, payload) != header.body_digest:
+    token_bytes, meta_bytes = view[:token_end], view[token_end:meta_end]
+    logit_bytes, payload = view[meta_end:logits_end], view[logits_end:]
+    if _body_digest(header.version, token_bytes, meta_bytes, logit_bytes, payload) != header.body_digest:
         raise StateMismatchError("the state file's checksum does not match its contents", reason="corrupt")
     meta: Any = None
     if meta_bytes:
@@ -436,7 +472,7 @@ def _finish(header: _Header, body: "bytes | bytearray | memoryview", total: int)
         except (UnicodeDecodeError, ValueError, RecursionError):
             raise StateMismatchError("the state file's metadata is not JSON", reason="corrupt") from None
     tokens = struct.unpack(f"<{header.n_tokens}i", token_bytes)
-    return Unpacked(header.identity, tokens, meta, payload)
+    return Unpacked(header.identity, tokens, meta, payload, logit_bytes if header.logits_bytes else None)
 
 
 def unpack_full(

@@ -123,6 +123,8 @@ class LLMModel(Lease):
         # A scored prompt is evaluated from position 0 (logits on every row): no cached prefix is reused.
         acquired = pool.acquire(() if prepared.request.prompt_logprobs else prepared.tokens)
         job.n_cached = acquired.n_cached
+        job.cached_logits = acquired.logits  # a whole prompt restored from the tiers: nothing to evaluate
+        job.capture_logits = getattr(pool, "wants_prompt_logits", False)
         for part in acquired.timings:
             job.add(part)
         pieces = run_request(
@@ -140,7 +142,9 @@ class LLMModel(Lease):
                 # Pinned system prefixes: the part before the first user message (and a checkpoint).
                 system = system_prefix_length(self._weights, prepared.messages, prepared.tokens)
                 pins = pinned_lengths(system, len(prepared.tokens), trivial=pool.trivial_prefix)  # type: ignore[union-attr]
-                pool.give_back(slot, prepared.tokens, outcome=outcome, pins=pins)  # type: ignore[call-arg]
+                pool.give_back(  # type: ignore[call-arg]
+                    slot, prepared.tokens, outcome=outcome, pins=pins, logits=job.prompt_logits
+                )
                 return
             pool.give_back(slot, prepared.tokens, outcome=outcome)
 

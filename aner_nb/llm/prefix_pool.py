@@ -106,12 +106,15 @@ def retain_length(prompt_len: int, cap: int, shape: ReuseShape = BLOCKED) -> int
 
 
 class _Entry:
-    __slots__ = ("slot", "tokens", "last_used")
+    __slots__ = ("slot", "tokens", "last_used", "written")
 
-    def __init__(self, slot: ContextSlot, tokens: tuple[int, ...], last_used: int) -> None:
+    def __init__(
+        self, slot: ContextSlot, tokens: tuple[int, ...], last_used: int, written: tuple[int, ...] | None = None
+    ) -> None:
         self.slot = slot
         self.tokens = tokens
         self.last_used = last_used
+        self.written = written  # the tokens its disk write-through was stored under (the whole prompt, or these)
 
 
 class PrefixPool:
@@ -206,7 +209,7 @@ class PrefixPool:
             # is reused.
             lost = len(taken.tokens) - choice.keep if taken is not None else 0
             if taken is not None and slot is not None and (choice.entry is None or lost > max(64, choice.keep)):
-                written = store.save(slot.ctx, 0, taken.tokens, ram=True, disk=True)
+                written = store.demote(slot.ctx, taken.tokens, taken.written)
             if slot is None:
                 slot = self._new_slot()
             t0 = time.perf_counter_ns()
@@ -236,7 +239,7 @@ class PrefixPool:
                 prefix_restore_duration=restored.duration if restored is not None else -1,
             ),
         )
-        return Acquired(slot, keep, parts)
+        return Acquired(slot, keep, parts, restored.logits if restored is not None else None)
 
     def pin(self, slot: ContextSlot, prompt: Sequence[int], lengths: Sequence[int]) -> None:
         """Keep prefixes of ``prompt`` (its system part, a checkpoint) in the tiers, pinned apart from the LRU.
@@ -267,36 +270,55 @@ class PrefixPool:
         finally:
             scratch.free()
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether a request should keep its last prompt row's logits for :meth:`give_back` (a disk tier)."""
+        return self.store is not None and self.store.disk is not None
+
     def give_back(
-        self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str, pins: Sequence[int] = ()
+        self, slot: ContextSlot, prompt: Sequence[int], *, outcome: str, pins: Sequence[int] = (), logits=None
     ) -> None:
         """Retain a successful (``outcome="ok"``) request's context with its prompt prefix; free anything else.
 
-        ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`).
+        ``pins``: prefix lengths of ``prompt`` to keep pinned in the tiers (see :meth:`pin`). ``logits``:
+        the prompt's last row (``wants_prompt_logits``), stored with the whole prompt in the disk tier.
         """
         # At most the prompt's body (ReuseShape.retained_rows), which the same prompt again restores whole:
         # what a sliding-window entry needs, as it restores only whole (see PrefixStore).
         keep = retain_length(len(prompt), self.max_tokens, self.shape)
         retained = False
+        written: tuple[int, ...] | None = None
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first
         try:
-            retained = outcome == "ok" and keep > 0 and slot.ctx.alive and slot.ctx.trim(0, keep)
+            retained = outcome == "ok" and keep > 0 and slot.ctx.alive
             if retained and self.store is not None:
                 # Write-through (before another request can take the context): a disk tier holds
-                # every retained prefix, so a new process finds it.
-                self.store.save(slot.ctx, 0, prompt[:keep], ram=False, disk=True)
-                if pins:
+                # every retained prefix, so a new process finds it. With the last row's logits the whole
+                # prompt is stored (asked again, it evaluates nothing; other prompts reuse its body).
+                whole = (
+                    logits is not None and len(prompt) <= self.max_tokens
+                    and slot.ctx.seq_pos_max(0) >= len(prompt) - 1 and slot.ctx.trim(0, len(prompt))
+                )
+                if whole:
+                    self.store.save(slot.ctx, 0, prompt, ram=False, disk=True, logits=logits)
+                written = tuple(prompt) if whole else tuple(prompt[:keep])
+                retained = slot.ctx.trim(0, keep)
+                if retained and not whole:
+                    self.store.save(slot.ctx, 0, prompt[:keep], ram=False, disk=True)
+                if retained and pins:
                     try:
                         self.pin(slot, prompt, [n for n in pins if n <= keep])
                     except LLMError as exc:  # a tier is an optimisation: the request itself succeeded
                         self.store.stats.skip("save_failed", f"pinning a system prefix: {exc}")
+            else:
+                retained = retained and slot.ctx.trim(0, keep)
         finally:  # an interrupt inside the trim still returns the use and frees the slot
             with self._lock:
                 self._in_use -= 1
                 if retained and not self._closed:
                     self._clock += 1
-                    self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock))
+                    self._entries.append(_Entry(slot, tuple(prompt[:keep]), self._clock, written))
                     while len(self._entries) > self.capacity:
                         demoted.append(self._entries.pop(lru_victim([e.last_used for e in self._entries])))
                 else:
@@ -304,7 +326,7 @@ class PrefixPool:
             try:
                 for e in demoted:  # ours now: popped from the pool under the lock
                     if self.store is not None:
-                        self.store.save(e.slot.ctx, 0, e.tokens, ram=True, disk=True)
+                        self.store.demote(e.slot.ctx, e.tokens, e.written)
             finally:
                 free_all(evicted + [e.slot for e in demoted])
 

@@ -20,6 +20,15 @@ request serialises and packs the state, a low-priority writer thread writes it
 queued is served from the queue (counted as a disk hit); :meth:`PrefixStore.flush`
 and :meth:`PrefixStore.close` wait for the queue.
 
+A whole prompt (what a latency lease writes through to disk) is stored with the
+float32 logits of its last row, taken right after its prefill: asking exactly
+that prompt again restores every position and samples its first token from
+those logits, evaluating nothing (the uncached run's first token, bit for bit,
+where a replayed last token would be computed in another batch shape). The
+rows of such an entry after its body were its prompt's tail, evaluated in a
+call of their own, so any other prompt reuses at most its body
+(``ReuseShape.retained_rows``), as it would from a live entry.
+
 Sliding-window models: a state is only restored when the context keeps the
 full SWA cache (``swa_full``); :func:`check_tiers_allowed` refuses the tiers
 otherwise. A one-sequence context (a latency lease) then saves every cell of
@@ -35,6 +44,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from . import kv_identity
 from .disk_writer import DiskWriter
@@ -61,18 +72,26 @@ def check_tiers_allowed(config: TierConfig, *, n_swa: int, swa_full: bool) -> No
 
 @dataclass(frozen=True)
 class Restored:
-    """What a restore put into a sequence: ``keep`` prompt tokens from ``tier`` (``"ram"`` or ``"disk"``)."""
+    """What a restore put into a sequence: ``keep`` prompt tokens from ``tier`` (``"ram"`` or ``"disk"``).
+
+    ``logits`` (float32, one per vocabulary entry) when the entry was exactly the
+    prompt, stored with its last row's logits: then ``keep`` is the whole prompt and
+    the first token is sampled from them.
+    """
 
     tier: str
     keep: int
-    stored: int  # tokens the entry held (keep may be less: the request's last token is replayed)
+    stored: int  # tokens the entry held (keep may be less: the request's last tokens are evaluated again)
     bytes_read: int
     duration: int  # ns
+    logits: "np.ndarray | None" = None
 
     @property
     def code(self) -> int:
         return TIER_CODES[self.tier]
 
+
+_REFUSED = object()  # a stored entry that was skipped (counted by reason): not tried again from RAM
 
 # A load copies the stored entry's whole state (39 MB for SmolLM2's 1.7k tokens: 10-20 ms at 2 vCPUs) before
 # it is cut to the restore point: against a live context that keeps some of the prompt already, an entry
@@ -126,11 +145,15 @@ class PrefixStore:
         path = self.disk.path_for(tokens)
         return path in self._suspect or not path.exists()
 
-    def save(self, ctx: Any, seq: int, tokens: Sequence[int], *, ram: bool, disk: bool, pinned: bool = False) -> int:
+    def save(
+        self, ctx: Any, seq: int, tokens: Sequence[int], *, ram: bool, disk: bool, pinned: bool = False,
+        logits: Any = None,
+    ) -> int:
         """Serialise ``seq`` (holding exactly ``tokens``) into the RAM tier and/or disk; bytes stored (both tiers).
 
-        Failures (no state, a full or read-only directory) are counted and logged, never raised:
-        a tier is an optimisation.
+        ``logits``: the float32 row of the last token, only when ``tokens`` is a whole
+        evaluated prompt (see the module's notes). Failures (no state, a full or
+        read-only directory) are counted and logged, never raised: a tier is an optimisation.
         """
         tokens = tuple(tokens)
         ram = ram and self.ram is not None and len(tokens) > self.trivial_prefix
@@ -147,12 +170,26 @@ class PrefixStore:
             blob = self.writer.pending(tokens) if self.writer is not None else None
             if blob is None:
                 blob = kv_identity.pack_in_place(
-                    self.identity(ctx), tokens, ctx.seq_state_size(seq), lambda view: ctx.seq_state_copy(seq, view)
+                    self.identity(ctx), tokens, ctx.seq_state_size(seq), lambda view: ctx.seq_state_copy(seq, view),
+                    logits=logits,
                 )
         except (LLMError, ValueError) as exc:
             self.stats.skip("save_failed", str(exc))
             return 0
         return self.put(tokens, blob, ram=ram, disk=disk, pinned=pinned)
+
+    def demote(self, ctx: Any, tokens: Sequence[int], written: Sequence[int] | None) -> int:
+        """Keep a live entry holding ``tokens`` (sequence 0) in RAM as it leaves live KV; bytes stored.
+
+        Its write-through (stored under ``written``: the whole prompt with its
+        last row's logits, or ``tokens`` themselves), while still queued, is the
+        entry itself, not serialised again.
+        """
+        if written is not None and self.writer is not None and self.ram is not None:
+            blob = self.writer.pending(tuple(written))
+            if blob is not None:
+                return self.put(tuple(written), blob, ram=True, disk=False)
+        return self.save(ctx, 0, tokens, ram=True, disk=True)
 
     def put(self, tokens: tuple[int, ...], blob: bytes, *, ram: bool, disk: bool, pinned: bool = False) -> int:
         """Store a packed entry; whatever leaves RAM goes to disk (when configured and not there).
@@ -228,32 +265,43 @@ class PrefixStore:
         if ram is not None:
             candidates.append((ram[1], len(ram[0]), 0, ram[0]))
         # What each would keep (the match cut to a restore point); a whole-prefix entry only if it keeps all.
-        kept = [(self.shape.restore_point(n, len(prompt), size), n, source, what) for n, size, source, what in candidates]
+        # An entry that is exactly the prompt may hold its last row's logits and then keep it all (checked
+        # when it is read: _keep).
+        kept = [
+            (len(prompt) if self._may_be_whole(n, size, prompt) else self.shape.restore_point(n, len(prompt), size),
+             n, source, what)
+            for n, size, source, what in candidates
+        ]
         choices = [(k, source, what) for k, n, source, what in kept if k > floor and (k == n or not self.exact_only)]
         choices.sort(key=lambda c: (-c[0], c[1]))
         for _, source, what in choices:
             if source == 0:
                 assert self.ram is not None
                 blob = self.ram.get(what)
-                got = self._load(ctx, seq, prompt, what, blob, identity, "ram", t0) if blob is not None else None
-                if got is None:
+                got = self._load(ctx, seq, prompt, what, blob, identity, "ram", t0, floor) if blob is not None else None
+                if got is _REFUSED:
                     self.ram.discard(what)  # it did not load: never try it again
             elif source == 1:
                 assert self.writer is not None
                 blob = self.writer.pending(what)  # not on disk yet: the disk tier's entry, from the queue
-                got = self._load(ctx, seq, prompt, what, blob, identity, "disk", t0) if blob is not None else None
+                got = self._load(ctx, seq, prompt, what, blob, identity, "disk", t0, floor) if blob is not None else None
             else:
-                got = self._load_file(ctx, seq, prompt, what[0], what[1], identity, t0)
-            if got is not None:
+                got = self._load_file(ctx, seq, prompt, what[0], what[1], identity, t0, floor)
+            if isinstance(got, Restored):
                 return got
         with self.stats.lock:
             self.stats.misses += 1
         return None
 
+    def _may_be_whole(self, common: int, size: int, prompt: Sequence[int]) -> bool:
+        """Whether an entry of ``size`` tokens sharing ``common`` with ``prompt`` is exactly the prompt (and so
+        may carry its last row's logits); never for whole-prefix-only states (a batching lease's)."""
+        return common == size == len(prompt) and not self.exact_only
+
     def _load_file(
         self, ctx: Any, seq: int, prompt: tuple[int, ...], stored: tuple[int, ...], path: Path, identity: KVIdentity,
-        t0: int,
-    ) -> Restored | None:
+        t0: int, floor: int,
+    ) -> "Restored | object | None":
         assert self.disk is not None
         try:
             size = path.stat().st_size
@@ -263,38 +311,69 @@ class PrefixStore:
         except StateMismatchError as exc:
             self._suspect.add(path)
             self.stats.skip(exc.reason, f"{path.name}: {exc}")
-            return None
+            return _REFUSED
         except OSError as exc:  # removed by another process, unreadable
             self.stats.skip("read_failed", f"{path.name}: {exc}")
-            return None
-        try:
-            path.touch()  # most recently used now (mtime is the disk tier's recency)
-        except OSError:
-            pass
-        return self._load_unpacked(ctx, seq, prompt, stored, unpacked.tokens, unpacked.payload, "disk", size, t0)
+            return _REFUSED
+        got = self._load_unpacked(ctx, seq, prompt, stored, unpacked, "disk", size, t0, floor)
+        if got is _REFUSED:
+            self._suspect.add(path)
+        elif got is not None:
+            try:
+                path.touch()  # most recently used now (mtime is the disk tier's recency)
+            except OSError:
+                pass
+        return got
 
     def _load(
         self, ctx: Any, seq: int, prompt: tuple[int, ...], key: tuple[int, ...], blob: bytes, identity: KVIdentity,
-        tier: str, t0: int,
-    ) -> Restored | None:
+        tier: str, t0: int, floor: int,
+    ) -> "Restored | object | None":
         try:
-            tokens, payload = kv_identity.unpack(blob, identity)
+            unpacked = kv_identity.unpack_full(blob, identity)
         except StateMismatchError as exc:
             self.stats.skip(exc.reason, f"{tier} entry of {len(key)} tokens: {exc}")
+            return _REFUSED
+        return self._load_unpacked(ctx, seq, prompt, key, unpacked, tier, len(blob), t0, floor)
+
+    def _keep(
+        self, ctx: Any, prompt: tuple[int, ...], unpacked: kv_identity.Unpacked, tier: str
+    ) -> "tuple[int, np.ndarray | None] | None":
+        """How many prompt tokens a verified entry keeps, and its last row's logits when it serves the whole
+        prompt; None (counted as ``corrupt``) for logits that are not one finite float32 per vocabulary entry."""
+        tokens, n = unpacked.tokens, len(unpacked.tokens)
+        common = common_length(tokens, prompt)
+        if unpacked.logits is None:
+            return self.shape.restore_point(common, len(prompt), n), None
+        row = np.frombuffer(unpacked.logits, dtype="<f4")
+        n_vocab = getattr(ctx, "n_vocab", None)
+        if row.size != n_vocab or not np.isfinite(row).all():
+            self.stats.skip("corrupt", f"a {tier} entry's last-row logits are {row.size} values, not {n_vocab} finite ones")
             return None
-        return self._load_unpacked(ctx, seq, prompt, key, tokens, payload, tier, len(blob), t0)
+        if common == n == len(prompt) and not self.exact_only:
+            return n, row.astype(np.float32, copy=True)  # a copy: the file's mapping is closed after the load
+        body = self.shape.retained_rows(n, n)  # the rows after it were the stored prompt's own tail
+        return self.shape.restore_point(min(common, body), len(prompt), body), None
 
     def _load_unpacked(
-        self, ctx: Any, seq: int, prompt: tuple[int, ...], key: tuple[int, ...], tokens: tuple[int, ...],
-        payload: bytes, tier: str, nbytes: int, t0: int,
-    ) -> Restored | None:
+        self, ctx: Any, seq: int, prompt: tuple[int, ...], key: tuple[int, ...], unpacked: kv_identity.Unpacked,
+        tier: str, nbytes: int, t0: int, floor: int,
+    ) -> "Restored | object | None":
+        """Load a verified entry into ``seq``: a :class:`Restored`, None when it would keep no more than
+        ``floor`` tokens after all (nothing loaded, nothing wrong), or ``_REFUSED`` (counted)."""
+        tokens, payload = unpacked.tokens, unpacked.payload
         if tuple(tokens) != key:
             self.stats.skip("tokens", f"a {tier} entry's token ids are not the ones it is stored under")
-            return None
+            return _REFUSED
         n = len(tokens)
-        keep = self.shape.restore_point(common_length(tokens, prompt), len(prompt), n)
+        kept = self._keep(ctx, prompt, unpacked, tier)
+        if kept is None:
+            return _REFUSED
+        keep, logits = kept
         if self.exact_only and keep != n:
             self.stats.skip("sliding_window", f"a {tier} entry of {n} tokens would have to be cut to {keep}")
+            return _REFUSED
+        if keep <= floor:
             return None
         try:
             ctx.seq_rm(seq, 0, -1)
@@ -309,12 +388,12 @@ class PrefixStore:
         if not ok:
             ctx.seq_rm(seq, 0, -1)
             self.stats.skip("load_failed", f"a {tier} entry of {n} tokens did not restore exactly")
-            return None
+            return _REFUSED
         with self.stats.lock:
             self.stats.hits[tier] += 1
             self.stats.bytes_read[tier] += nbytes
             self.stats.restored_tokens += keep
-        return Restored(tier, keep, n, nbytes, time.perf_counter_ns() - t0)
+        return Restored(tier, keep, n, nbytes, time.perf_counter_ns() - t0, logits)
 
     # -- summaries -----------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

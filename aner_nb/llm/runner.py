@@ -15,6 +15,12 @@ under :data:`PROMPT_LOGITS_BYTES`), and ``max_tokens=0`` then only scores it.
 Logprobs (``logprobs=True``) are read from the row each token was chosen
 from, before the next decode overwrites it: the prompt's last row, a decode
 step's row, or each verified position's row of a speculative step.
+
+A prompt restored whole from a stored entry (``Job.cached_logits``: the
+prefix tiers keep a whole prompt with its last row's logits) evaluates
+nothing: its KV holds every prompt position and the first token is chosen
+from the stored row. ``Job.capture_logits`` asks for a copy of that row
+after the prefill, for the tiers to store.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Generator, Iterator, Sequence
+
+import numpy as np
 
 from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
 from .errors import EngineError
@@ -65,6 +73,10 @@ class Job:
     parts: list[TimingsPart] = field(default_factory=list)  # timings measured before and around the run
     result: Response | None = None
     started: bool = False  # run_request began; a job closed before that touched no KV
+    # The last prompt row's logits from a stored entry: then n_cached == len(prompt_tokens), nothing is evaluated.
+    cached_logits: "np.ndarray | None" = None
+    capture_logits: bool = False  # keep a copy of the last prompt row's logits in prompt_logits (for the tiers)
+    prompt_logits: "np.ndarray | None" = None
 
     def add(self, part: TimingsPart) -> None:
         """Record one producer's timings part (profile, pool, queue, batch...)."""
@@ -121,10 +133,14 @@ class SequenceOutput:
 
     def score(self, ctx: NativeContext, row: int, token: int) -> TokenLogprob | None:
         """The logprob entry of ``token`` chosen from logits ``row``; None when the request did not ask."""
+        return self.score_row(ctx.logits(row), token) if self.logprobs is not None else None
+
+    def score_row(self, logits: np.ndarray, token: int) -> TokenLogprob | None:
+        """:meth:`score` from a logits row itself."""
         if self.logprobs is None:
             return None
         assert self.model is not None
-        return token_logprob(ctx.logits(row), token, self.job.request.top_logprobs, self.model.token_bytes)
+        return token_logprob(logits, token, self.job.request.top_logprobs, self.model.token_bytes)
 
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> str:
         """Record one verified token (and its logprob entry); returns newly final text (possibly empty).
@@ -419,7 +435,10 @@ def run_request(
     """
     job.started = True
     request, prompt = job.request, job.prompt_tokens
-    if not 0 <= job.n_cached < len(prompt):
+    whole = job.cached_logits is not None
+    if whole and job.n_cached != len(prompt):
+        raise ValueError(f"stored last-row logits serve a whole cached prompt only, got {job.n_cached} of {len(prompt)}")
+    if not whole and not 0 <= job.n_cached < len(prompt):
         raise ValueError(f"n_cached must leave at least one prompt token to evaluate, got {job.n_cached}")
     if request.prompt_logprobs and job.n_cached:
         raise ValueError("prompt_logprobs scores the whole prompt: nothing of it may come from a cache")
@@ -431,13 +450,26 @@ def run_request(
     if drafts_of is not None:
         out.speculation = SpeculationCounts()
     try:
-        if not _evaluate_prompt(ctx, batch, job, out):
+        if whole:
+            first = job.cached_logits
+            assert first is not None
+            out.prompt_eval_duration = 0  # every prompt position came from the stored entry
+            if job.capture_logits:
+                job.prompt_logits = first  # the entry is stored already: the tiers find it, not a shorter one
+            if request.max_tokens == 0:
+                return out.response("length")
+            verified = [greedy_of(first) if sampler is None else sampler.sample_row(first)]
+        elif not _evaluate_prompt(ctx, batch, job, out):
             return out.response("cancelled")
-        if request.max_tokens == 0:  # prompt_logprobs: the prompt was scored, nothing is generated
-            return out.response("length")
-        row = batch.n_tokens - 1
-        verified = [ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)]
-        scores = [out.score(ctx, row, verified[0])]
+        else:
+            row = batch.n_tokens - 1
+            first = ctx.logits(row)
+            if job.capture_logits:
+                job.prompt_logits = first.copy()  # the next decode overwrites the context's row
+            if request.max_tokens == 0:  # prompt_logprobs: the prompt was scored, nothing is generated
+                return out.response("length")
+            verified = [ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)]
+        scores = [out.score_row(first, verified[0])]
         pos = len(prompt)  # KV position of ``verified[-1]``, which is sampled but not yet evaluated
         while True:
             yield from _accept(out, verified, scores)
@@ -467,6 +499,11 @@ def run_request(
     if tail:
         yield tail
     return out.response()
+
+
+def greedy_of(logits: np.ndarray) -> int:
+    """The greedy choice of a logits row: its first maximum, llama.cpp's greedy tie-break (``NativeContext.greedy``)."""
+    return int(np.argmax(logits))
 
 
 def _evaluate_prompt(ctx: NativeContext, batch: Batch, job: Job, out: SequenceOutput) -> bool:
