@@ -20,7 +20,12 @@ process (a new kernel) then measures the first token of the same questions
 (re-running the cells), cold (a lease that keeps nothing) against restored from the
 disk tier (a new, empty lease per request, so nothing is live or in RAM), ABBA
 after a warm-up round. The cold side is a lease of the same layout that keeps nothing (``_open_model``).
-Target: >= 40x faster first token restored.
+Target: >= 40x faster first token restored. A whole prompt is stored with its
+last row's logits, so re-running the same cell evaluates nothing.
+``--new-questions``: the fresh process asks 4 questions the first one never
+asked over the same prefix instead, so every side restores the shared part and
+evaluates the rest (the server restores the slot file of the fill's first
+question, then gets the new prompt).
 
 ``--rotation`` (the RAM tier, ``prefix_cache_ram_bytes``): 8 different
 ~1,600-token prefixes in rotation on a lease with 2 live entries, cold against
@@ -94,6 +99,8 @@ def main() -> None:
     parser.add_argument("--llama-server", default=None, help="--restart: also measure this llama-server's slot restore")
     parser.add_argument("--threads", type=int, default=0, help="n_threads = n_threads_batch for every side")
     parser.add_argument("--cache-dir", default=None, help="--restart: the disk tier's directory (default: a new temp dir)")
+    parser.add_argument("--new-questions", action="store_true",
+                        help="--restart: measure questions the fill process did not ask (a shared prefix, a new tail)")
     parser.add_argument("--phase", choices=("fill", "measure"), default=None, help=argparse.SUPPRESS)
     add_model_option(parser, SMOLLM2)
     args = parser.parse_args()
@@ -164,7 +171,8 @@ def tiers_main(args: argparse.Namespace) -> None:
     base = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--threads", str(_threads(args)),
             "--prefix-tokens", str(args.prefix_tokens), "--max-tokens", str(args.max_tokens),
             "--rounds", str(args.rounds), "--cache-dir", directory] + (["--json", args.json] if args.json else []) + (
-                ["--llama-server", args.llama_server] if args.llama_server else [])
+                ["--llama-server", args.llama_server] if args.llama_server else []) + (
+                ["--new-questions"] if args.new_questions else [])
     print(f"disk tier: {directory}", flush=True)
     subprocess.run(base + ["--phase", "fill"], check=True)
     subprocess.run(base + ["--phase", "measure"], check=True)  # a fresh process: a restarted kernel
@@ -207,6 +215,23 @@ def _restart_cases(text: str, args: argparse.Namespace) -> list:
     return [bench.Case(f"q{i + 2}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(QUESTIONS[1:])]
 
 
+# --new-questions: asked only by the measuring process (none is in _workloads.QUESTIONS).
+NEW_QUESTIONS = [
+    "Which year has the fewest entries?",
+    "What did the treasurers buy most often?",
+    "Summarise the ledger in one sentence.",
+    "Is any entry recorded twice?",
+]
+# The llama-server slot file each new question's request restores first: the fill's first question's.
+NEW_QUESTION_SLOT = "q2"
+
+
+def _measured_cases(text: str, args: argparse.Namespace) -> list:
+    if not args.new_questions:
+        return _restart_cases(text, args)
+    return [bench.Case(f"n{i + 1}", f"{text}\n\nQuestion: {q}", args.max_tokens) for i, q in enumerate(NEW_QUESTIONS)]
+
+
 def _open_model(args: argparse.Namespace, attention: str = ATTENTION) -> tuple:
     """The model choice, threads, the loaded model (4,096 cells) and its uncached lease, header printed.
 
@@ -231,7 +256,7 @@ def _open_model(args: argparse.Namespace, attention: str = ATTENTION) -> tuple:
 def _measure_restart(args: argparse.Namespace) -> None:
     choice, threads, model, cold = _open_model(args)
     text = evidence_of_tokens(model, args.prefix_tokens)
-    cases = _restart_cases(text, args)
+    cases = _measured_cases(text, args)
 
     def restored(case: bench.Case) -> dict:
         # A new lease per request: nothing live, nothing in RAM; only the disk tier the other process filled.
@@ -270,8 +295,8 @@ def _measure_restart(args: argparse.Namespace) -> None:
               f"/{len(server_prompts)}", flush=True)
 
         def server_restore(case: bench.Case) -> dict:
-            return _llama_slots.restore_and_ask(client, server[1], case.name, server_prompts[case.name],
-                                                case.max_tokens)
+            slot = NEW_QUESTION_SLOT if args.new_questions else case.name
+            return _llama_slots.restore_and_ask(client, server[1], slot, server_prompts[case.name], case.max_tokens)
 
         sides.append(bench.Side("llama_server_restore", server_restore))
     try:
