@@ -257,12 +257,16 @@ def _measure_restart(args: argparse.Namespace) -> None:
     choice, threads, model, cold = _open_model(args)
     text = evidence_of_tokens(model, args.prefix_tokens)
     cases = _measured_cases(text, args)
+    filled = set(os.listdir(args.cache_dir))
 
     def restored(case: bench.Case) -> dict:
         # A new lease per request: nothing live, nothing in RAM; only the disk tier the other process filled.
         # (Its first token is timed from the call: the lease's context is made when the lease is.)
         with _tiered(model, threads, prefix_cache_dir=args.cache_dir) as lease:
             r = lease.generate(case.prompt, max_tokens=case.max_tokens, seed=case.seed, temperature=case.temperature)
+        if args.new_questions:  # untimed: what this request wrote goes, so every round's question stays new
+            for name in set(os.listdir(args.cache_dir)) - filled:
+                os.remove(os.path.join(args.cache_dir, name))
         row = bench.response_row(r)
         row["tier"] = r.timings.prefix_cache_tier
         row["restored_tokens"] = r.timings.prefix_restored_tokens
