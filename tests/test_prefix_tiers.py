@@ -452,6 +452,26 @@ def test_a_longer_prompt_reuses_only_the_body_of_a_whole_prompt_entry(base, tmp_
     assert r.tokens == want.tokens
 
 
+def test_stored_logits_serve_a_whole_cached_prompt_only(base):
+    """The runner takes a first token from stored logits only when every prompt position is cached."""
+    from aner_nb.llm.context_pool import new_slot
+    from aner_nb.llm.requests import request_settings
+    from aner_nb.llm.runner import Job, run_request
+
+    native = base._weights.native
+    row = np.zeros(native.n_vocab, dtype=np.float32)
+    slot = new_slot(native, base._params)
+    try:
+        for n_cached in (0, 3):  # stored logits with positions left to evaluate: refused before any decode
+            job = Job((1, 2, 3, 4), request_settings({"max_tokens": 2}), 0, n_cached=n_cached, cached_logits=row)
+            with pytest.raises(ValueError, match="whole cached prompt"):
+                next(run_request(native, slot.ctx, slot.batch, job))
+        with pytest.raises(ValueError, match="at least one prompt token"):
+            next(run_request(native, slot.ctx, slot.batch, Job((1, 2), request_settings({}), 0, n_cached=2)))
+    finally:
+        slot.free()
+
+
 def test_a_file_of_another_model_is_never_restored(base, cold, tmp_path):
     other_path = write_tiny_model(tmp_path / "other.gguf", "llama", seed=5)
     tiers = tmp_path / "tiers"
