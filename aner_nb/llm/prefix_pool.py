@@ -291,8 +291,10 @@ class PrefixPool:
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first
         try:
-            retained = outcome == "ok" and keep > 0 and slot.ctx.alive
-            if retained and self.store is not None:
+            # ``retained`` turns true only once the trim to ``keep`` succeeded: an interrupt inside a trim
+            # (or a save) leaves it false, and the context is freed below.
+            wanted = outcome == "ok" and keep > 0 and slot.ctx.alive
+            if wanted and self.store is not None:
                 # Write-through (before another request can take the context): a disk tier holds
                 # every retained prefix, so a new process finds it. With the last row's logits the whole
                 # prompt is stored (asked again, it evaluates nothing; other prompts reuse its body).
@@ -312,7 +314,7 @@ class PrefixPool:
                     except LLMError as exc:  # a tier is an optimisation: the request itself succeeded
                         self.store.stats.skip("save_failed", f"pinning a system prefix: {exc}")
             else:
-                retained = retained and slot.ctx.trim(0, keep)
+                retained = wanted and slot.ctx.trim(0, keep)
         finally:  # an interrupt inside the trim still returns the use and frees the slot
             with self._lock:
                 self._in_use -= 1
