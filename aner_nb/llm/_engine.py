@@ -499,6 +499,11 @@ class NativeModel(_Owner):
         return None if n < 0 else buf.value.decode("utf-8", "replace")
 
 
+def greedy_of(logits: np.ndarray) -> int:
+    """The greedy choice of a logits row: its first maximum, the same tie-break as llama.cpp's greedy sampler."""
+    return int(np.argmax(logits))
+
+
 class NativeContext(_Owner):
     """One ``llama_context`` on a model: KV memory, decode, logits."""
 
@@ -580,8 +585,7 @@ class NativeContext(_Owner):
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def greedy(self, i: int) -> int:
-        # First index of the maximum, the same tie-break as llama.cpp's greedy sampler.
-        return int(np.argmax(self.logits(i)))
+        return greedy_of(self.logits(i))
 
     def engine_settings(self) -> dict[str, int]:
         """What llama.cpp itself reports for this context (threads, batch sizes, cells)."""

@@ -291,30 +291,30 @@ class PrefixPool:
         evicted: list[ContextSlot] = []
         demoted: list[_Entry] = []  # live entries leaving the pool: kept in the tiers first
         try:
-            # ``retained`` turns true only once the trim to ``keep`` succeeded: an interrupt inside a trim
-            # (or a save) leaves it false, and the context is freed below.
+            # Write-through (before another request can take the context): a disk tier holds every retained
+            # prefix, so a new process finds it. With the last row's logits the whole prompt is stored first
+            # (asked again, it evaluates nothing; other prompts reuse its body); store.save checks that the
+            # sequence holds exactly it.
             wanted = outcome == "ok" and keep > 0 and slot.ctx.alive
-            if wanted and self.store is not None:
-                # Write-through (before another request can take the context): a disk tier holds
-                # every retained prefix, so a new process finds it. With the last row's logits the whole
-                # prompt is stored (asked again, it evaluates nothing; other prompts reuse its body).
-                whole = (
-                    logits is not None and len(prompt) <= self.max_tokens
-                    and slot.ctx.seq_pos_max(0) >= len(prompt) - 1 and slot.ctx.trim(0, len(prompt))
-                )
-                if whole:
-                    self.store.save(slot.ctx, 0, prompt, ram=False, disk=True, logits=logits)
+            store = self.store if wanted else None
+            whole = (
+                store is not None and logits is not None and len(prompt) <= self.max_tokens
+                and slot.ctx.trim(0, len(prompt))
+            )
+            if whole:
+                store.save(slot.ctx, 0, prompt, ram=False, disk=True, logits=logits)  # type: ignore[union-attr]
+            # ``retained`` turns true only once the trim to ``keep`` succeeded: an interrupt inside it leaves
+            # it false, and the context is freed below.
+            retained = wanted and slot.ctx.trim(0, keep)
+            if retained and store is not None:
                 written = tuple(prompt) if whole else tuple(prompt[:keep])
-                retained = slot.ctx.trim(0, keep)
-                if retained and not whole:
-                    self.store.save(slot.ctx, 0, prompt[:keep], ram=False, disk=True)
-                if retained and pins:
+                if not whole:
+                    store.save(slot.ctx, 0, prompt[:keep], ram=False, disk=True)
+                if pins:
                     try:
                         self.pin(slot, prompt, [n for n in pins if n <= keep])
                     except LLMError as exc:  # a tier is an optimisation: the request itself succeeded
-                        self.store.stats.skip("save_failed", f"pinning a system prefix: {exc}")
-            else:
-                retained = wanted and slot.ctx.trim(0, keep)
+                        store.stats.skip("save_failed", f"pinning a system prefix: {exc}")
         finally:  # an interrupt inside the trim still returns the use and frees the slot
             with self._lock:
                 self._in_use -= 1

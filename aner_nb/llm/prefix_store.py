@@ -350,7 +350,7 @@ class PrefixStore:
         if row.size != n_vocab or not np.isfinite(row).all():
             self.stats.skip("corrupt", f"a {tier} entry's last-row logits are {row.size} values, not {n_vocab} finite ones")
             return None
-        if common == n == len(prompt) and not self.exact_only:
+        if self._may_be_whole(common, n, prompt):
             return n, row.astype(np.float32, copy=True)  # a copy: the file's mapping is closed after the load
         body = self.shape.retained_rows(n, n)  # the rows after it were the stored prompt's own tail
         return self.shape.restore_point(min(common, body), len(prompt), body), None

@@ -33,7 +33,7 @@ from typing import Generator, Iterator, Sequence
 
 import numpy as np
 
-from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel
+from ._engine import DECODE_NO_KV_SLOT, Batch, NativeContext, NativeModel, greedy_of
 from .errors import EngineError
 from .profiles import RequestSettings
 from .response import Response, Usage
@@ -454,21 +454,19 @@ def run_request(
             first = job.cached_logits
             assert first is not None
             out.prompt_eval_duration = 0  # every prompt position came from the stored entry
-            if job.capture_logits:
-                job.prompt_logits = first  # the entry is stored already: the tiers find it, not a shorter one
-            if request.max_tokens == 0:
-                return out.response("length")
-            verified = [greedy_of(first) if sampler is None else sampler.sample_row(first)]
         elif not _evaluate_prompt(ctx, batch, job, out):
             return out.response("cancelled")
         else:
             row = batch.n_tokens - 1
-            first = ctx.logits(row)
-            if job.capture_logits:
-                job.prompt_logits = first.copy()  # the next decode overwrites the context's row
-            if request.max_tokens == 0:  # prompt_logprobs: the prompt was scored, nothing is generated
-                return out.response("length")
-            verified = [ctx.greedy(row) if sampler is None else sampler.sample(ctx, row)]
+            first = ctx.logits(row)  # a view: the next decode overwrites it
+        if job.capture_logits:  # the tiers store it (a restored row is stored already: found, not a shorter one)
+            job.prompt_logits = first if whole else first.copy()
+        if request.max_tokens == 0:  # prompt_logprobs: the prompt was scored, nothing is generated
+            return out.response("length")
+        if sampler is None:
+            verified = [greedy_of(first)]
+        else:  # llama.cpp's own sampling of a context's row, or the same chain over the stored row
+            verified = [sampler.sample_row(first) if whole else sampler.sample(ctx, row)]
         scores = [out.score_row(first, verified[0])]
         pos = len(prompt)  # KV position of ``verified[-1]``, which is sampled but not yet evaluated
         while True:
@@ -499,11 +497,6 @@ def run_request(
     if tail:
         yield tail
     return out.response()
-
-
-def greedy_of(logits: np.ndarray) -> int:
-    """The greedy choice of a logits row: its first maximum, llama.cpp's greedy tie-break (``NativeContext.greedy``)."""
-    return int(np.argmax(logits))
 
 
 def _evaluate_prompt(ctx: NativeContext, batch: Batch, job: Job, out: SequenceOutput) -> bool:
