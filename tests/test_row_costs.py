@@ -104,3 +104,35 @@ def test_an_unwritable_cache_still_measures(base, tmp_path, monkeypatch):
 def test_rows_out_of_range_are_refused(base, cache):
     with pytest.raises(ValueError, match="rows must be in 1..65"):
         rc.row_costs(base._weights.native, base.fingerprint, _params(base), 66)
+
+
+def test_paired_ratios_take_each_count_over_its_own_neighbours():
+    steady = [(1, 0.010, 0.010), (4, 0.025, 0.010), (12, 0.050, 0.010)]
+    slow = [(1, 0.020, 0.020), (4, 0.050, 0.020), (12, 0.100, 0.020)]  # a slow minute: every step twice as long
+    assert rc.paired_ratios([steady, slow, steady]) == {1: 1.0, 4: 2.5, 12: 5.0}
+    # only the one-row steps slow: separate medians would call 4 rows 1.25 steps; the neighbours say 2.5 ...
+    spiked = [(1, 0.020, 0.020), (4, 0.025, 0.010), (12, 0.050, 0.010)]
+    assert rc.paired_ratios([spiked, spiked, steady])[4] == 2.5
+    # ... and one round whose neighbours were caught slow does not move the median
+    odd = [(1, 0.010, 0.010), (4, 0.025, 0.030), (12, 0.050, 0.030)]
+    assert rc.paired_ratios([steady, odd, steady]) == {1: 1.0, 4: 2.5, 12: 5.0}
+
+
+def test_the_probe_times_each_count_between_one_row_steps(base, monkeypatch):
+    from aner_nb.llm import _engine
+
+    sizes = []
+    decode = _engine.NativeContext.decode
+
+    def recording(self, batch):
+        sizes.append(batch.n_tokens)
+        return decode(self, batch)
+
+    monkeypatch.setattr(_engine.NativeContext, "decode", recording)
+    points = rc.measure_row_costs(base._weights.native, _params(base), 5, rounds=2)
+    assert [k for k, _ in points] == [1, 2, 3, 4, 5]
+    assert all(s > 0 for _, s in points)
+    steps = sizes[1:]  # after the prefix
+    assert len(steps) == 3 * 5 * 3  # (warm-up + 2 rounds) x 5 counts x (one row, the count, one row)
+    assert all(steps[i] == 1 and steps[i + 2] == 1 for i in range(0, len(steps), 3))
+    assert [steps[i] for i in range(1, len(steps), 3)] == [5, 4, 3, 2, 1, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1]

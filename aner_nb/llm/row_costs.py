@@ -8,8 +8,14 @@ the build's kernels (some pair batch columns, so odd counts cost like the
 next even one), the CPU and the thread count, so it is measured, not
 assumed: a throwaway context with the lease's engine settings evaluates a
 short prompt, then steps of each count in :data:`PROBE_ROWS` (up to the
-lease's ``speculative_tokens + 1``) in interleaved rounds after a warm-up;
-the median of each count is kept. The result is cached on disk under the
+lease's ``speculative_tokens + 1``) in interleaved rounds after a warm-up,
+each between two one-row steps. A count's cost is the median over rounds of
+its time over those neighbours' (:func:`paired_ratios`): on a shared
+machine a slow minute inflates a step and its neighbours alike, where
+separate medians let one slow one-row sample scale every ratio (on a 2-vCPU
+VM, a cached table's one-row step of 21.5 ms, where Gemma's decode loop
+took 15.4 ms, made every count look 28% cheaper than it was). The
+result is cached on disk under the
 cache directory keyed by everything it depends on; a cache file that does
 not parse, names another key or holds implausible numbers is measured
 again and replaced (atomically).
@@ -26,23 +32,27 @@ import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ._engine import Batch, ContextParams, NativeContext, NativeModel, engine_build
 from .cache import cache_dir
 from .cpu_guard import build_signature, cpu_signature
 from .draft_policy import MAX_SPECULATIVE_TOKENS, RowCosts
 
-__all__ = ["PROBE_ROWS", "PROBE_PREFIX", "PROBE_ROUNDS", "cost_key", "cost_path", "measure_row_costs", "row_costs"]
+__all__ = [
+    "PROBE_ROWS", "PROBE_PREFIX", "PROBE_ROUNDS", "cost_key", "cost_path", "paired_ratios", "measure_row_costs", "row_costs",
+]
 
 log = logging.getLogger("aner_nb.llm")
 
 PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 56, 65)
 PROBE_PREFIX = 64  # KV positions before the measured rows, as after a short prompt
-PROBE_ROUNDS = 3
+PROBE_ROUNDS = 4
 # 2: points measured since idle OpenMP teams are freed (_engine.release_compute_threads); a version-1 point
 # could include every graph's wait for a worker that another thread's idle team had throttled.
-_VERSION = 2
+# 3: each count against its neighbouring one-row steps (paired_ratios); a version-2 table could hold a
+# one-row median from a slow moment, and every ratio was off by as much.
+_VERSION = 3
 _MAX_SECONDS = 60.0  # a cached step time above this is not a measurement of a decode step
 
 
@@ -67,8 +77,25 @@ def cost_path(key: dict[str, Any]) -> Path:
     return cache_dir() / "row-costs" / f"{digest}.json"
 
 
+def paired_ratios(rounds: Sequence[Sequence[tuple[int, float, float]]]) -> dict[int, float]:
+    """Each count's cost over a one-row step: the median over rounds of its time over its neighbours' mean.
+
+    ``rounds`` holds, per round, ``(rows, seconds, one-row seconds around it)`` for each
+    count; the one-row count's own figure is 1.0 by definition.
+    """
+    ratios: dict[int, list[float]] = {}
+    for round_ in rounds:
+        for k, seconds, around in round_:
+            ratios.setdefault(k, []).append(seconds / around)
+    return {k: 1.0 if k == 1 else statistics.median(v) for k, v in sorted(ratios.items())}
+
+
 def measure_row_costs(model: NativeModel, params: ContextParams, rows: int, *, rounds: int = PROBE_ROUNDS) -> list[tuple[int, float]]:
-    """Median seconds of a decode step of each probed count up to ``rows`` (one warm-up round first)."""
+    """Seconds of a decode step of each probed count up to ``rows``: :func:`paired_ratios` times the one-row median.
+
+    One warm-up round first; every step of ``k`` rows sits between two one-row steps at the same
+    positions, which its ratio is taken over.
+    """
     counts = _counts(rows)
     n_ctx = -(-(PROBE_PREFIX + rows) // 256) * 256
     probe = replace(params, n_ctx=n_ctx, n_seq_max=1, n_batch=max(params.n_batch, rows, PROBE_PREFIX),
@@ -81,20 +108,29 @@ def measure_row_costs(model: NativeModel, params: ContextParams, rows: int, *, r
         for pos in range(PROBE_PREFIX):
             batch.add(tokens[pos], pos, 0, logits=pos == PROBE_PREFIX - 1)
         _decode(ctx, batch)
-        seconds: dict[int, list[float]] = {k: [] for k in counts}
+
+        def step(k: int) -> float:
+            batch.clear()
+            for i in range(k):
+                batch.add(tokens[PROBE_PREFIX + i], PROBE_PREFIX + i, 0, logits=True)
+            t0 = time.perf_counter()
+            _decode(ctx, batch)
+            elapsed = time.perf_counter() - t0
+            if not ctx.seq_rm(0, PROBE_PREFIX, -1):
+                raise RuntimeError("the row-cost probe could not remove its rows")
+            return elapsed
+
+        measured: list[list[tuple[int, float, float]]] = []
         for round_ in range(rounds + 1):
+            samples = []
             for k in counts if round_ % 2 else reversed(counts):  # alternate the order, so drift hits all alike
-                batch.clear()
-                for i in range(k):
-                    batch.add(tokens[PROBE_PREFIX + i], PROBE_PREFIX + i, 0, logits=True)
-                t0 = time.perf_counter()
-                _decode(ctx, batch)
-                elapsed = time.perf_counter() - t0
-                if not ctx.seq_rm(0, PROBE_PREFIX, -1):
-                    raise RuntimeError("the row-cost probe could not remove its rows")
-                if round_:
-                    seconds[k].append(elapsed)
-        return [(k, statistics.median(seconds[k])) for k in counts]
+                before = step(1)
+                seconds = step(k)
+                samples.append((k, seconds, (before + step(1)) / 2))
+            if round_:
+                measured.append(samples)
+        one_row = statistics.median(around for samples in measured for _, _, around in samples)
+        return [(k, ratio * one_row) for k, ratio in paired_ratios(measured).items()]
     finally:
         batch.free()
         ctx.free()
