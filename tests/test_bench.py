@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from aner_nb import bench, llm
@@ -38,6 +40,10 @@ def test_run_sides_collects_rows_manifest_and_ratios(model):
     summary = result.summary(("first_token_ms", "total_ms"))
     base = summary[summary.side == "plain"]
     assert (base.ratio_to_baseline == 1.0).all()
+    with warnings.catch_warnings():  # a metric the baseline never has (its median is 0): no ratio, no warning
+        warnings.simplefilter("error")
+        counts = result.summary(("cached_input_tokens",))
+    assert counts[counts.side == "cached"].ratio_to_baseline.isna().all()
     m = result.manifest
     assert m["model"]["fingerprint"] == model.fingerprint and m["purpose"] == "test"
     assert m["model"]["profile"]["optimizer"]["prefix_cache_entries"] == 1

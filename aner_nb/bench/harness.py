@@ -124,7 +124,7 @@ class BenchResult:
         if table.empty:
             return table
         base = table[table.side == self.baseline].set_index("metric")["median"]
-        table["ratio_to_baseline"] = [row["median"] / base.get(row["metric"], float("nan")) for _, row in table.iterrows()]
+        table["ratio_to_baseline"] = [_over(row["median"], base.get(row["metric"])) for _, row in table.iterrows()]
         return table
 
     def ratio(self, side: str, metric: str) -> float:
@@ -180,3 +180,10 @@ def run_sides(
         facts = {"rounds": rounds, "warmup": warmup, "order": "ABBA", "load_average_start": load_start,
                  "load_average_end": load_average()}
     return BenchResult(pd.DataFrame(rows), {**dict(manifest_ or {}), **facts}, baseline or sides[0].name)
+
+
+def _over(value: float, base: "float | None") -> float:
+    """``value / base``; NaN where the baseline has no such metric or a zero median (a count the baseline never has)."""
+    if base is None or not base or base != base:
+        return float("nan")
+    return float(value / base)
