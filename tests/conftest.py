@@ -45,6 +45,22 @@ def free_rows(monkeypatch):
     monkeypatch.setattr(speculation, "row_costs", lambda *args, **kwargs: FREE_ROWS)
 
 
+@pytest.fixture
+def decode_sizes(monkeypatch) -> list[int]:
+    """The row count of every ``llama_decode`` call made in the test, in order (each still runs)."""
+    from aner_nb.llm import _engine
+
+    sizes: list[int] = []
+    real = _engine.NativeContext.decode
+
+    def counted(self, batch):
+        sizes.append(batch.n_tokens)
+        return real(self, batch)
+
+    monkeypatch.setattr(_engine.NativeContext, "decode", counted)
+    return sizes
+
+
 @pytest.fixture(scope="session")
 def fixture_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_all(tmp_path_factory.mktemp("gguf-fixtures"))

@@ -20,18 +20,10 @@ from aner_nb.llm.progress import NullBar, progress_bar
 CTX = 256
 
 
-def test_a_warm_load_times_its_warm_up_and_frees_the_context(llama_path, monkeypatch):
-    decodes = []
-    real_decode = _engine.NativeContext.decode
-
-    def counted(self, batch):
-        decodes.append(batch.n_tokens)
-        return real_decode(self, batch)
-
-    monkeypatch.setattr(_engine.NativeContext, "decode", counted)
+def test_a_warm_load_times_its_warm_up_and_frees_the_context(llama_path, decode_sizes):
     with llm.load(llama_path, context=CTX) as model:
         summary = model.load_summary()
-        assert decodes == [1]  # one 1-token decode at load time
+        assert decode_sizes == [1]  # one 1-token decode at load time
         assert summary.warmup_duration > 0
         assert summary.total_duration >= summary.load_duration + summary.verify_duration + summary.warmup_duration
         assert model._weights.native.live_contexts() == 0  # the warm-up context is gone
@@ -39,15 +31,12 @@ def test_a_warm_load_times_its_warm_up_and_frees_the_context(llama_path, monkeyp
         first = model.generate("the cat sat", max_tokens=4)
         # The first request's prefill is the request's own: measured, and no longer the load's page-in.
         assert first.timings.prompt_eval_duration > 0 and first.timings.evaluated_prompt_tokens > 0
-        assert decodes[0] == 1 and len(decodes) > 1
+        assert decode_sizes[0] == 1 and len(decode_sizes) > 1
 
 
-def test_warmup_false_skips_the_decode_and_reports_minus_one(llama_path, monkeypatch):
-    decodes = []
-    real_decode = _engine.NativeContext.decode
-    monkeypatch.setattr(_engine.NativeContext, "decode", lambda self, b: decodes.append(1) or real_decode(self, b))
+def test_warmup_false_skips_the_decode_and_reports_minus_one(llama_path, decode_sizes):
     with llm.load(llama_path, context=CTX, warmup=False) as model:
-        assert model.load_summary().warmup_duration == -1 and decodes == []
+        assert model.load_summary().warmup_duration == -1 and decode_sizes == []
         assert model.generate("hello", max_tokens=2).timings.prompt_eval_duration > 0
     with pytest.raises(errors.ConfigurationError, match="warmup must be True or False"):
         llm.load(llama_path, context=CTX, warmup="no")

@@ -118,21 +118,11 @@ def test_paired_ratios_take_each_count_over_its_own_neighbours():
     assert rc.paired_ratios([steady, odd, steady]) == {1: 1.0, 4: 2.5, 12: 5.0}
 
 
-def test_the_probe_times_each_count_between_one_row_steps(base, monkeypatch):
-    from aner_nb.llm import _engine
-
-    sizes = []
-    decode = _engine.NativeContext.decode
-
-    def recording(self, batch):
-        sizes.append(batch.n_tokens)
-        return decode(self, batch)
-
-    monkeypatch.setattr(_engine.NativeContext, "decode", recording)
+def test_the_probe_times_each_count_between_one_row_steps(base, decode_sizes):
     points = rc.measure_row_costs(base._weights.native, _params(base), 5, rounds=2)
     assert [k for k, _ in points] == [1, 2, 3, 4, 5]
     assert all(s > 0 for _, s in points)
-    steps = sizes[1:]  # after the prefix
+    steps = decode_sizes[1:]  # after the prefix
     assert len(steps) == 3 * 5 * 3  # (warm-up + 2 rounds) x 5 counts x (one row, the count, one row)
     assert all(steps[i] == 1 and steps[i + 2] == 1 for i in range(0, len(steps), 3))
     assert [steps[i] for i in range(1, len(steps), 3)] == [5, 4, 3, 2, 1, 1, 2, 3, 4, 5, 5, 4, 3, 2, 1]
