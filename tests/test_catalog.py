@@ -99,6 +99,28 @@ def test_each_store_is_found_and_named_as_its_tool_names_it(home, llama_path, qw
     assert found["ollama", "tinyqwen:0.5b"].architecture == "qwen2"
 
 
+@pytest.mark.parametrize("hostile", ["layers_not_objects", "deeply_nested", "not_an_object", "ref_not_utf8", "ref_huge"])
+def test_a_hostile_file_in_another_tools_store_hides_nothing_else(home, hostile):
+    """Another program writes these stores: one bad manifest or ref skips that entry only, never raises."""
+    manifests = home / ".ollama" / "models" / "manifests" / "registry.ollama.ai" / "library"
+    bad = manifests / "hostile" / "latest"
+    bad.parent.mkdir(parents=True)
+    refs = home / ".cache" / "huggingface" / "hub" / "models--TinyOrg--Tiny-Qwen-GGUF" / "refs" / "main"
+    if hostile == "layers_not_objects":
+        bad.write_text(json.dumps({"layers": [1, "x", None, [2]]}))
+    elif hostile == "deeply_nested":
+        bad.write_text("[" * 100_000)  # under the manifest cap, deeper than the JSON parser recurses
+    elif hostile == "not_an_object":
+        bad.write_text(json.dumps(["layers"]))
+    elif hostile == "ref_not_utf8":
+        refs.write_bytes(b"\xff\xfe")
+    else:
+        refs.write_text("b" * 10_000)
+    found = entries(home)
+    assert ("ollama", "tinyqwen:0.5b") in found and ("huggingface", "TinyOrg/Tiny-Qwen-GGUF/tiny-qwen-q8_0.gguf") in found
+    assert not any("hostile" in name for _, name in found)
+
+
 def test_a_non_admitted_architecture_is_listed_with_the_reason(home):
     entry = entries(home)["folder", "state-space"]
     assert entry.architecture == "mamba" and not entry.admitted

@@ -50,6 +50,7 @@ __all__ = ["ModelEntry", "STORES", "find_models", "models", "resolve_model"]
 STORES = ("aner_nb", "folder", "huggingface", "lm-studio", "ollama")
 _OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 _MAX_MANIFEST_BYTES = 1 << 20  # an Ollama manifest is a few hundred bytes of JSON
+_MAX_REF_BYTES = 256  # a Hugging Face refs/main holds one commit hash
 _MAX_FILES_PER_FOLDER = 10_000  # a folder walk stops here (a home directory is not a model store)
 
 
@@ -139,6 +140,17 @@ def _folders(env: Mapping[str, str], home: Path) -> Iterator[tuple[str, Path]]:
             yield f.stem, f
 
 
+def _small_text(path: Path, limit: int) -> str | None:
+    """A store's own small text file (a manifest, a ref), or None when it is unreadable, larger than ``limit``
+    bytes or not UTF-8: one bad entry in a store another program writes must not hide the others."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        return data.decode("utf-8") if len(data) <= limit else None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _hf_cache(env: Mapping[str, str], home: Path) -> Path:
     if env.get("HF_HUB_CACHE"):
         return Path(env["HF_HUB_CACHE"]).expanduser()
@@ -155,7 +167,7 @@ def _huggingface(env: Mapping[str, str], home: Path) -> Iterator[tuple[str, Path
         repo_id = "/".join(repo.name.removeprefix("models--").split("--"))
         snapshots = repo / "snapshots"
         main = repo / "refs" / "main"
-        first = main.read_text().strip() if main.is_file() and main.stat().st_size < 256 else ""
+        first = (_small_text(main, _MAX_REF_BYTES) or "").strip() if main.is_file() else ""
         revisions = sorted((d for d in snapshots.glob("*") if d.is_dir()), key=lambda d: (d.name != first, d.name))
         seen: set[Path] = set()
         for rev in revisions:
@@ -186,14 +198,16 @@ def _ollama(env: Mapping[str, str], home: Path) -> Iterator[tuple[str, Path]]:
         return
     for manifest in sorted(p for p in manifests.rglob("*") if p.is_file()):
         rel = manifest.relative_to(manifests).parts
-        if len(rel) < 4 or manifest.stat().st_size > _MAX_MANIFEST_BYTES:
-            continue
+        text = _small_text(manifest, _MAX_MANIFEST_BYTES) if len(rel) >= 4 else None
         try:
-            layers = json.loads(manifest.read_text()).get("layers", [])
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            parsed = json.loads(text) if text is not None else None
+        except (ValueError, RecursionError):
             continue
+        layers = parsed.get("layers") if isinstance(parsed, dict) else None
         for layer in layers if isinstance(layers, list) else []:
-            digest = layer.get("digest") if isinstance(layer, dict) else None
+            if not isinstance(layer, dict):
+                continue
+            digest = layer.get("digest")
             if layer.get("mediaType") == _OLLAMA_MODEL_LAYER and isinstance(digest, str) and digest.startswith("sha256:"):
                 hexdigest = digest.removeprefix("sha256:")
                 if len(hexdigest) == 64 and all(c in "0123456789abcdef" for c in hexdigest):
