@@ -944,3 +944,6 @@ def test_generate_raw_and_sampling_flags_reach_the_library(ip, llama_path):
         ip.run_cell_magic("generate", "base --quiet --top-p 3", "x")
     with pytest.raises(UsageError, match="--grammar"):
         ip.run_cell_magic("generate", "base --quiet --grammar missing_var", "x")
+    for inline in ("{not json", "[" * 5000):  # the second is nested deeper than the JSON parser recurses
+        with pytest.raises(UsageError, match="--json-schema takes inline JSON"):
+            ip.run_cell_magic("generate", f"base --quiet --json-schema '{inline}'", "x")

@@ -25,6 +25,7 @@ from aner_nb.llm import _engine
 from aner_nb.llm.errors import ConfigurationError, InvalidRequestError
 from aner_nb.llm.faults import Fault, inject
 from aner_nb.llm.frame_map import INTERRUPTED, map_frame
+from aner_nb.llm import map_checkpoint, map_result
 from aner_nb.llm.map_checkpoint import Checkpoint
 from aner_nb.llm.map_result import RESULT_COLUMNS
 from aner_nb.llm.row_prompts import check_template, fill_template, template_fields
@@ -183,6 +184,30 @@ def test_bad_checkpoint_lines_are_skipped_never_trusted(base, tmp_path):
     assert json.loads(last)["row"] == forged["row"]  # the re-run row's line is whole, after the torn one
     with pytest.raises(ConfigurationError, match="jsonl"):
         Checkpoint(tmp_path / "run.csv")
+
+
+def test_checkpoint_values_out_of_range_and_overlong_lines_are_skipped(base, tmp_path, monkeypatch):
+    """A count that no Int64 column holds, a negative count, a NaN duration and a line over the cap each re-run
+    their row; the lines after an over-long one are still read (it is skipped in pieces, never held whole)."""
+    monkeypatch.setattr(map_checkpoint, "MAX_LINE_BYTES", 2048)
+    checkpoint = tmp_path / "tickets.jsonl"
+    first = map_frame(base, TICKETS, "Classify: {text}", max_tokens=4, checkpoint=checkpoint)
+    good = [json.loads(line) for line in checkpoint.read_text().splitlines()]
+    forged = [json.loads(json.dumps(e)) for e in good[:4]]
+    forged[0]["result"]["prompt_tokens"] = 2**70
+    forged[1]["result"]["completion_tokens"] = -1
+    forged[2]["result"]["first_token_ms"] = float("nan")
+    forged[3]["result"]["answer"] += " " * 10_000
+    checkpoint.write_text("".join(json.dumps(e) + "\n" for e in [*forged, *good[4:]]))
+    again = map_frame(base, TICKETS, "Classify: {text}", max_tokens=4, checkpoint=checkpoint)
+    stats = again.attrs["aner_nb.map"]
+    assert (stats.generated, stats.from_checkpoint, stats.checkpoint_lines_skipped) == (4, 2, 1)  # 1: the long line
+    pd.testing.assert_frame_equal(again.drop(columns=["first_token_ms", "total_ms"]),
+                                  first.drop(columns=["first_token_ms", "total_ms"]))
+
+
+def test_an_answer_nested_past_the_parser_expands_to_nothing():
+    assert map_result._parsed('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}") is None
 
 
 CHILD = r"""

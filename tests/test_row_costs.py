@@ -71,8 +71,9 @@ def test_more_rows_than_cached_are_measured_again(base, cache):
     "POINTS:[[1, \"0.001\"], [3, 0.002]]",
     "POINTS:[[1, 0.001], [2, 0.002]]",  # covers fewer rows than asked for
     "HUGE",
+    "[" * 50_000,  # under the size cap, nested deeper than the JSON parser recurses
 ], ids=["garbage", "list", "foreign-key", "negative", "nan", "unsorted", "duplicate", "too-many-rows",
-        "implausible", "string", "too-few", "huge"])
+        "implausible", "string", "too-few", "huge", "nested"])
 def test_a_bad_cache_file_is_measured_again_and_replaced(base, cache, content):
     params = _params(base)
     key = rc.cost_key(base.fingerprint, params)

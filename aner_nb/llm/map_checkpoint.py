@@ -25,7 +25,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .errors import ConfigurationError
 
@@ -96,8 +96,8 @@ class Checkpoint:
         rows: dict[tuple[str, str], Mapping[str, Any]] = {}
         skipped = 0
         with open(self.path, "rb") as f:
-            for line in f:
-                entry = _entry(line, fields)
+            for line in _bounded_lines(f, MAX_LINE_BYTES):
+                entry = _entry(line, fields) if line is not None else None
                 if entry is None:
                     skipped += 1
                 else:
@@ -122,6 +122,21 @@ class Checkpoint:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _bounded_lines(f: Any, limit: int) -> "Iterator[bytes | None]":
+    """Each line of ``f`` (at most ``limit`` bytes held at once); None for a line over ``limit``, which is skipped
+    in pieces of ``limit`` bytes, so one line of gigabytes costs no more memory than a line at the cap."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) <= limit:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(limit)
+        yield None
 
 
 def _ends_torn(fd: int) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -61,12 +62,17 @@ class RowResult:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RowResult | None":
-        """A checkpointed row, or None when a value has the wrong type (the line is not trusted)."""
+        """A checkpointed row, or None when a value has the wrong type or range (the line is not trusted)."""
         for name, (kind, _) in _COLUMNS.items():
             value = data.get(name)
             if value is None and name != "error":
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
+                return None
+            # counts and durations: what the column's dtype holds (Int64, a finite Float64), never negative
+            if isinstance(value, int) and not 0 <= value <= _INT64_MAX:
+                return None
+            if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
                 return None
         return cls(**{name: data[name] for name in _COLUMNS})
 
@@ -84,6 +90,7 @@ _COLUMNS: dict[str, tuple[Any, str]] = {
     "completion_tokens": (int, "Int64"), "first_token_ms": ((int, float), "Float64"),
     "total_ms": ((int, float), "Float64"), "error": (str, "string"),
 }
+_INT64_MAX = 2**63 - 1
 RESULT_COLUMNS = tuple(f.name for f in dataclasses.fields(RowResult))
 assert RESULT_COLUMNS == tuple(_COLUMNS), "one entry per RowResult field, in order"
 
@@ -146,4 +153,6 @@ def _parsed(answer: Any) -> "dict[str, Any] | None":
         value = json.loads(answer)
     except ValueError:
         return None  # cut at max_tokens: the grammar's object never closed
+    except RecursionError:
+        return None  # nested deeper than the parser recurses (a checkpoint's answer is not trusted)
     return value if isinstance(value, dict) else None

@@ -148,7 +148,7 @@ def _read(path: Path, key: dict[str, Any], rows: int) -> list[tuple[int, float]]
         if path.stat().st_size > 64 * 1024:
             return None
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past the parser, under the size cap
         return None
     if not isinstance(data, dict) or data.get("key") != key:
         return None

@@ -117,7 +117,7 @@ def _flag_value(option: Option, given: Any, ns: Mapping[str, Any], prog: str) ->
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
         return None
 
 
