@@ -108,6 +108,20 @@ def test_nul_and_lone_surrogates_are_refused():
     assert "surrogate" in str(refused('root ::= "\ud800"'))
 
 
+@pytest.mark.parametrize("text", [r'root ::= "\x00"', r'root ::= "a\u0000b"', r'root ::= "\U00000000"',
+                                  r'root ::= [\x00]', r'root ::= [\x00-\x00]', r'root ::= "x" | "\x00"'])
+def test_a_literal_asking_for_nul_is_refused(text):
+    """No token's text can produce NUL in llama.cpp's matcher: such a grammar could never be completed."""
+    assert "NUL" in str(refused(text))
+
+
+@pytest.mark.parametrize("text", [r'root ::= [^"\\\x00-\x1f]*', r'root ::= [\x00-\x1f]', r'root ::= "\\x00"',
+                                  r'root ::= [a\x00]', 'root ::= "x" # "\\x00"'])
+def test_nul_that_a_token_need_not_spell_is_admitted(text):
+    """A negated class excludes NUL, a range or class offers other characters, an escaped backslash is no escape."""
+    check_grammar_text(text)
+
+
 def test_request_settings_run_the_checks():
     with pytest.raises(InvalidRequestError) as info:
         RequestSettings(grammar=nested(50_000))

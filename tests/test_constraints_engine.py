@@ -12,6 +12,8 @@ convert to grammars that pass the bounds and llama.cpp's parser.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -67,12 +69,45 @@ def deep_schema_json(levels: int) -> str:
     ({"json_schema": {"type": "string", "maxLength": 100_000}}, "json_schema", "maxLength"),
     ({"json_schema": {"type": "string", "pattern": "^a]$"}}, "json_schema", "closes nothing"),
     ({"json_schema": {"type": "object", "properties": {"a": 3}}}, "json_schema", "cannot be turned"),  # fuzz finding
+    # A NUL no token can spell: sampled at temperature 1, llama.cpp drew end-of-generation and aborted the process.
+    ({"grammar": 'root ::= "\\x00"', "temperature": 1.0}, "grammar", "NUL"),
+    ({"json_schema": {"const": "\u0000"}, "temperature": 1.0}, "json_schema", "NUL"),
 ])
 def test_generate_refuses_unbounded_constraints_and_keeps_working(base, options, param, words):  # noqa: F811
     with pytest.raises(InvalidRequestError) as info:
         base.generate("hi", max_tokens=2, **options)
     assert info.value.param == param and words in str(info.value)
     assert base.generate("Yes or no?", max_tokens=4, grammar='root ::= "yes" | "no"').text in ("yes", "no")
+
+
+DEAD_END = r"""
+import sys
+import numpy as np
+from aner_nb.llm._engine import NativeModel, Sampler, SamplerChain
+from aner_nb.llm.errors import InvalidRequestError
+model = NativeModel(sys.argv[1])
+for temperature in (1.0, 0.0):
+    sampler = Sampler(model, SamplerChain(temperature=temperature, seed=1, grammar='root ::= "yes" | "no"'))
+    row = np.zeros(model.n_vocab, dtype=np.float32)
+    row[:] = -np.inf  # every token the grammar allows is ruled out (as a -inf bias would): nothing may follow
+    try:
+        token = sampler.sample_row(row)
+        print("SAMPLED", temperature, token, flush=True)
+    except InvalidRequestError as exc:
+        print("REFUSED", temperature, exc.param, flush=True)
+    sampler.free()
+model.free()
+"""
+
+
+def test_a_grammar_that_allows_no_token_ends_the_request_typed_not_the_process(llama_path, tmp_path):
+    """Recording a token the grammar ruled out can abort llama.cpp (end-of-generation while the grammar is
+    unfinished): the choice is checked first. In a child process, so a regression fails this test only."""
+    script = tmp_path / "dead_end.py"
+    script.write_text(DEAD_END)
+    done = subprocess.run([sys.executable, str(script), str(llama_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["REFUSED 1.0 grammar", "REFUSED 0.0 grammar"], done.stdout
 
 
 def test_realistic_schemas_pass_the_bounds_and_llama_cpp(base, llama_path):  # noqa: F811
@@ -122,6 +157,9 @@ def test_http_routes_answer_400_naming_the_field_and_keep_serving(batching):  # 
                 assert r.status_code == 400, (path, levels, r.text[:300])
                 assert r.json()["error"]["param"] == schema_field, r.text[:300]
                 assert "nest" in r.json()["error"]["message"]
+            nul = _with_schema(path, {**body, "temperature": 1.0}, '{"const": "\\u0000"}', schema_field)
+            r = _post(server.url, path, nul)  # sampled, this request used to abort the server (SIGABRT)
+            assert r.status_code == 400 and r.json()["error"]["param"] == schema_field, r.text[:300]
             ok = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 3}, timeout=30)
             assert ok.status_code == 200, ok.text
         assert healthy(server)

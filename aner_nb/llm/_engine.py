@@ -27,7 +27,7 @@ import numpy as np
 
 from . import engine_log, faults
 from .engine_log import KV_LOG_RESOLUTION, KVBuffer, kv_buffers
-from .errors import ConfigurationError, EngineError, NativeUnavailableError
+from .errors import ConfigurationError, EngineError, InvalidRequestError, NativeUnavailableError
 from .faults import NO_FAULT as _NO_FAULT, Injection
 from .reuse import ReuseShape
 
@@ -878,6 +878,7 @@ class Sampler(_Owner):
             _fault("sampler_init", model, spec)
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         self._lib = lib
+        self._grammar = spec.grammar is not None
         super().__init__(chain, lib.llama_sampler_free, "sampler")  # frees every stage added below
         try:
             self._build(model, spec, history)
@@ -917,7 +918,13 @@ class Sampler(_Owner):
         self._lib.llama_sampler_chain_add(self.ptr, stage)  # the chain owns the stage from here
 
     def sample(self, ctx: NativeContext, i: int) -> int:
-        """Sample from output row ``i`` and record the token in every stage's state (grammar, penalties)."""
+        """Sample from output row ``i`` and record the token in every stage's state (grammar, penalties).
+
+        With a grammar, the chain is applied and the choice checked before it is recorded
+        (:meth:`sample_row`): ``llama_sampler_sample`` would record whatever it drew.
+        """
+        if self._grammar:
+            return self.sample_row(ctx.logits(i))
         return int(self._lib.llama_sampler_sample(self.ptr, ctx.ptr, i))
 
     def sample_row(self, logits: np.ndarray) -> int:
@@ -936,7 +943,16 @@ class Sampler(_Owner):
         lib.llama_sampler_apply(self.ptr, ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
             raise EngineError(f"the sampler chain selected no token (selected {cur.selected} of {cur.size})")
-        token = int(cur.data[cur.selected].id)
+        chosen = cur.data[cur.selected]
+        if self._grammar and chosen.logit == -np.inf:
+            # Engine fact (llama-grammar.cpp): the grammar stage sets every token it does not allow to -inf,
+            # and recording an end-of-generation token while the grammar is unfinished aborts the process
+            # (GGML_ABORT in llama_grammar_accept_impl). A choice at -inf means the grammar allows nothing here.
+            raise InvalidRequestError(
+                "the grammar allows no token at this point of the output: no token of this model's vocabulary "
+                "continues it, so it can never be completed (a literal no token can spell, such as NUL)",
+                param="grammar")
+        token = int(chosen.id)
         lib.llama_sampler_accept(self.ptr, token)
         return token
 

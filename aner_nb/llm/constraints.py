@@ -118,6 +118,23 @@ MAX_REF_CHAIN = 32
 # (the lookahead), so a run of ``#`` splits one way only: ``#[^\r\n]*`` alone backtracks exponentially
 # on ``{#####...`` (found by fuzz/fuzz_grammar.py: a 60-byte input took over 30 s).
 _SP = r"(?:[ \t\r\n]|#[^\r\n]*(?![^\r\n]))*"
+# llama.cpp's escapes inside literals and classes (parse_char): \xHH, \uHHHH, \UHHHHHHHH, or one character.
+_ESCAPE = re.compile(r"\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+
+
+def _escaped_nuls(body: str) -> tuple[int, int]:
+    """``(escapes of code point 0, other characters)`` in a literal's or class's body, as llama.cpp reads it."""
+    nuls = chars = 0
+    pos = 0
+    for m in _ESCAPE.finditer(body):
+        chars += m.start() - pos
+        pos = m.end()
+        digits = m.group(1) or m.group(2) or m.group(3)
+        if digits is not None and int(digits, 16) == 0:
+            nuls += 1
+        else:
+            chars += 1
+    return nuls, chars + len(body) - pos
 _TOKEN = re.compile(
     r'(?P<lit>"(?:[^"\\]|\\.)*"?)'
     r"|(?P<cls>\[(?:[^\]\\]|\\.)*\]?)"
@@ -143,6 +160,7 @@ class GrammarFigures:
     max_repetition: int  # the largest m or n of a {m,n}
     inverted_repetition: str | None  # the first {m,n} with n < m, as written
     nul: bool  # the text holds a NUL character
+    nul_required: bool = False  # a literal (or a class of NUL alone) asks for code point 0, written as an escape
 
 
 class _Frame:
@@ -168,6 +186,7 @@ class _Measure:
         self.inverted: str | None = None
         self.stack = [_Frame(0)]
         self.last_word: str | None = None
+        self.nul_required = False
 
     def symbols(self) -> int:
         return len(self.names) + self.generated
@@ -192,8 +211,12 @@ class _Measure:
         """Count one token; only a rule name (``word``) or a comment leaves ``last_word`` set."""
         if m.group("lit") is not None:  # one element per character (the length is an upper estimate)
             self.item(max(len(m.group("lit")) - 2, 0))
+            self.nul_required |= _escaped_nuls(m.group("lit")[1:-1])[0] > 0
         elif m.group("cls") is not None:  # one per character, two per range: the length bounds both
             self.item(max(len(m.group("cls")) - 2, 1))
+            body = m.group("cls")[1:-1]
+            nuls, others = _escaped_nuls(body)
+            self.nul_required |= not body.startswith("^") and nuls > 0 and others == body.count("-")
         elif m.group("com") is not None:
             return
         elif m.group("tok") is not None:
@@ -257,7 +280,8 @@ def grammar_figures(text: str) -> GrammarFigures:
     m = _Measure()
     for token in _TOKEN.finditer(text):
         m.token(token)
-    return GrammarFigures(size, m.max_depth, m.symbols(), max(m.elements, 0), m.max_rep, m.inverted, "\0" in text)
+    return GrammarFigures(size, m.max_depth, m.symbols(), max(m.elements, 0), m.max_rep, m.inverted, "\0" in text,
+                          m.nul_required)
 
 
 def _refuse(param: str, what: str, found: Any, allowed: str) -> InvalidRequestError:
@@ -278,7 +302,14 @@ def check_grammar_text(text: str, *, param: str = "grammar") -> GrammarFigures:
     if figures.nul:
         raise InvalidRequestError(
             f"{param}: the grammar holds a NUL character (llama.cpp would silently ignore the text after it); "
-            "write \\x00 inside a literal instead", param=param)
+            "a grammar cannot ask for NUL at all", param=param)
+    if figures.nul_required:
+        # llama.cpp's grammar matcher reads a token's text as a C string and refuses every token whose text
+        # starts with NUL, so a literal holding code point 0 can never be generated (nothing could follow it).
+        raise InvalidRequestError(
+            f"{param}: a literal or character class asks for the NUL character (\\x00, \\u0000); no token can "
+            "produce it, so the grammar could never be completed. A negated class may exclude it ([^\\x00-\\x1f])",
+            param=param)
     if figures.depth > MAX_GROUP_DEPTH:
         raise _refuse(param, "the nesting depth of ( ) groups", figures.depth, f"at most {MAX_GROUP_DEPTH} is allowed")
     if figures.inverted_repetition is not None:
