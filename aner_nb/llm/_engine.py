@@ -879,6 +879,7 @@ class Sampler(_Owner):
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         self._lib = lib
         self._grammar = spec.grammar is not None
+        self._candidates: tuple[Any, np.ndarray, np.ndarray] | None = None
         super().__init__(chain, lib.llama_sampler_free, "sampler")  # frees every stage added below
         try:
             self._build(model, spec, history)
@@ -936,9 +937,11 @@ class Sampler(_Owner):
         """
         lib = self._lib
         n = int(logits.shape[0])
-        data = (lib.llama_token_data * n)()
-        view = np.ctypeslib.as_array(data)  # fields id, logit, p
-        view["id"], view["logit"], view["p"] = np.arange(n, dtype=np.int32), logits, 0.0
+        if self._candidates is None or len(self._candidates[0]) != n:  # one buffer per sampler, refilled per token
+            data = (lib.llama_token_data * n)()
+            self._candidates = (data, np.ctypeslib.as_array(data), np.arange(n, dtype=np.int32))
+        data, view, ids = self._candidates
+        view["id"], view["logit"], view["p"] = ids, logits, 0.0  # fields id, logit, p; the chain reorders them
         cur = lib.llama_token_data_array(data, n, -1, False)
         lib.llama_sampler_apply(self.ptr, ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
