@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aner_nb.llm.json_closing import JsonCloser, minimal_json
+from aner_nb.llm.json_closing import MAX_CLOSING_CHARS, JsonCloser, minimal_json
 
 CITY = {
     "type": "object",
@@ -209,6 +209,33 @@ def test_an_answer_that_fits_is_left_alone(tiny):
     """Greedy with room to spare: the same answer as without a closing (the grammar alone)."""
     r = tiny.generate("List tags.", json_schema={"type": "boolean"}, max_tokens=8)
     assert r.text.strip() in ("true", "false") and r.finish_reason == "stop" and not r.closed_early
+
+
+def _cube(n: int) -> dict:
+    """Three nested arrays of minItems n each: the minimal value holds n**3 items."""
+    return {"type": "array", "minItems": n, "items": {"type": "array", "minItems": n, "items": {
+        "type": "array", "minItems": n}}}
+
+
+def test_a_closing_past_the_cap_is_none_not_built():
+    """Each minItems is bounded, their product is not: no closing is derived past MAX_CLOSING_CHARS (one of
+    10^9 items took the server to 24 GiB, per token); a small product still closes validly."""
+    assert minimal_json(_cube(1000)) is None and minimal_json(_cube(40)) is None  # 64,000 items: over the cap
+    closer = JsonCloser(_cube(1000))
+    assert closer.closing() is None
+    closer.feed("[[[0,")
+    assert closer.closing() is None
+    small = minimal_json(_cube(3))
+    jsonschema.validate(json.loads(small), _cube(3))
+    cut = JsonCloser(_cube(3))
+    cut.feed("[[[0,0,0],")
+    jsonschema.validate(json.loads("[[[0,0,0]," + cut.closing()), _cube(3))
+    assert len(minimal_json(_cube(10))) <= MAX_CLOSING_CHARS
+
+
+def test_a_schema_with_no_closing_in_reach_still_answers(tiny):
+    r = tiny.generate("List.", json_schema=_cube(1000), max_tokens=8, temperature=1.0, seed=1)
+    assert r.usage.completion_tokens <= 8 and not r.closed_early
 
 
 GEMMA_CITY = {

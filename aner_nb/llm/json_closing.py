@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-__all__ = ["JsonCloser", "minimal_json"]
+__all__ = ["JsonCloser", "minimal_json", "MAX_CLOSING_CHARS"]
 
 _WS = " \t\n\r"
 _FORMAT_EXAMPLES = {  # the shortest values llama.cpp's format rules accept
@@ -36,6 +36,10 @@ _FORMAT_EXAMPLES = {  # the shortest values llama.cpp's format rules accept
 for _v in range(1, 6):
     _FORMAT_EXAMPLES[f"uuid{_v}"] = _FORMAT_EXAMPLES["uuid"]
 _MAX_DEPTH = 256  # constraints.py bounds schema nesting far below this; a guard against a cyclic $ref
+# The longest closing derived. Each minItems / minLength is bounded (constraints.py), their product across
+# nested arrays is not: three nested arrays of minItems 1000 need 10^9 items. A closing this long fits no
+# output budget anyway, so past it there is none (None: the answer is cut as it would be without a closer).
+MAX_CLOSING_CHARS = 1 << 16
 
 
 def _dumps(value: Any) -> str:
@@ -130,6 +134,13 @@ def _number(schema: Mapping[str, Any]) -> str:
     return str(int(value))
 
 
+def _repeated(item: str, count: int, prefix: str = "") -> Optional[str]:
+    """``prefix`` and ``count`` copies of ``item`` joined by commas, or None past :data:`MAX_CLOSING_CHARS`."""
+    if len(prefix) + count * (len(item) + 1) > MAX_CLOSING_CHARS:
+        return None
+    return prefix + ",".join([item] * count)
+
+
 def minimal_json(schema: Any, root: Optional[Mapping[str, Any]] = None, depth: int = 0) -> Optional[str]:
     """The shortest compact JSON text valid for ``schema`` (None where none can be derived)."""
     resolver = _Resolver(root if root is not None else (schema if isinstance(schema, Mapping) else {}))
@@ -151,11 +162,15 @@ def _minimal(r: _Resolver, schema: Any, depth: int) -> Optional[str]:
     kind = schema.get("type")
     if kind == "object" or (kind is None and "properties" in schema):
         parts = []
+        size = 2
         for key in _required(schema):
             value = _minimal(r, _sub(schema, key), depth + 1)
             if value is None:
                 return None
             parts.append(f"{_dumps(key)}:{value}")
+            size += len(parts[-1]) + 1
+            if size > MAX_CLOSING_CHARS:
+                return None
         return "{" + ",".join(parts) + "}"
     if kind == "array":
         items = schema.get("items") if isinstance(schema.get("items"), Mapping) else {}
@@ -163,7 +178,8 @@ def _minimal(r: _Resolver, schema: Any, depth: int) -> Optional[str]:
         if count == 0:
             return "[]"
         item = _minimal(r, items, depth + 1)
-        return None if item is None else "[" + ",".join([item] * count) + "]"
+        body = None if item is None else _repeated(item, count, "[")
+        return None if body is None else body + "]"
     if kind == "string":
         if "format" in schema:
             example = _FORMAT_EXAMPLES.get(schema["format"])
@@ -358,6 +374,7 @@ class JsonCloser:
         if not self._stack:
             return _minimal(self._r, self._root, 0)
         out: list[str] = []
+        size = 0
         completed = False  # the innermost frame's own value was ended by the text so far in ``out``
         for i in range(len(self._stack) - 1, -1, -1):
             frame = self._stack[i]
@@ -365,6 +382,9 @@ class JsonCloser:
             if piece is None:
                 return None
             out.append(piece)
+            size += len(piece)
+            if size > MAX_CLOSING_CHARS:
+                return None
             completed = True
         return "".join(out)
 
@@ -388,8 +408,10 @@ class JsonCloser:
                 item = _minimal(self._r, items, 1)
                 if item is None:
                     return None
-                prefix = "," if count > 0 else ""
-                parts.append(prefix + ",".join([item] * missing))
+                rest = _repeated(item, missing, "," if count > 0 else "")
+                if rest is None:
+                    return None
+                parts.append(rest)
             return "".join(parts) + "]"
         return self._close_object(f, child_done)
 
