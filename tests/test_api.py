@@ -383,6 +383,42 @@ def test_invalid_requests_name_the_field(batching, path, body, param, code):
         assert error["type"] == "invalid_request_error" and error["message"]
 
 
+NESTED_ARGUMENTS = '{"a":' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi\ud800"}]}, "messages[0].content"),
+        ("/v1/completions", {"prompt": "hi\udc00"}, "prompt"),
+        ("/chat", {"prompt": "\udfff"}, "prompt"),
+        ("/v1/embeddings", {"input": "a\ud800"}, "input"),
+        ("/v1/chat/completions", {"messages": [CHAT], "tools": [
+            {"type": "function", "function": {"name": "f", "description": "\udc00"}}]}, "tools[0].function.description"),
+        ("/v1/chat/completions", {"messages": [CHAT], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["\ud800"]}}}}, "response_format"),
+        ("/v1/chat/completions", {"messages": [CHAT], "stop": ["\ud800"]}, "stop[0]"),
+        ("/v1/chat/completions", {"messages": [CHAT], "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": [CHAT, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": NESTED_ARGUMENTS}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "r"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ],
+    ids=["chat-content", "completion-prompt", "seed-prompt", "embeddings-input", "tool-description", "schema-enum",
+         "stop", "logit-bias-key-of-5000-digits", "tool-call-arguments-nested-past-the-parser"],
+)
+def test_text_no_encoder_accepts_and_numbers_past_python_limits_answer_400(batching, path, body, param):
+    """A JSON "\\ud800" escape is a lone surrogate in Python (no UTF-8 encoder takes it); these were 500s."""
+    with serving(service(batching, max_rows=4)) as server:
+        extra = {} if path == "/v1/embeddings" else {"max_tokens": 2}
+        content = json.dumps({**body, **extra}).encode()  # ensure_ascii: the surrogates travel as escapes
+        r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == param and error["code"] == "invalid_value", error
+        assert healthy(server)
+
+
 def test_malformed_json_and_context_overflow_answer_400(batching):
     with serving(service(batching)) as server:
         r = httpx.post(f"{server.url}/chat", content=b'{"prompt": ', headers={"content-type": "application/json"},

@@ -220,3 +220,21 @@ def test_an_unreachable_lease_releases_its_contexts_and_weights(llama_path):
     gc.collect()
     assert ref() is None and native.live_contexts() == 0
     base.close()
+
+
+def test_text_with_a_lone_surrogate_is_refused_by_its_path_before_the_tokenizer(model):
+    """No UTF-8 encoder takes a lone surrogate: each entry point names where it is (was a UnicodeEncodeError)."""
+    cases = [
+        (lambda: model.generate("hi \ud800", max_tokens=2), "messages[0].content"),
+        (lambda: model.chat([{"role": "user", "content": "ok"}, {"role": "assistant", "content": "\udfff"},
+                             {"role": "user", "content": "ok"}], max_tokens=2), "messages[1].content"),
+        (lambda: model.complete("\udc00 raw", max_tokens=2), "prompt"),
+        (lambda: model.generate("hi", max_tokens=2, stop=["x", "\ud800"]), "stop[1]"),
+        (lambda: model.embed(["fine", "bad \ud800"]), "texts[1]"),
+        (lambda: model.tokenize("\ud800"), None),
+    ]
+    for call, param in cases:
+        with pytest.raises(errors.InvalidRequestError) as info:
+            call()
+        assert info.value.param == param and "surrogate" in str(info.value)
+    assert model.generate("hi", max_tokens=2).usage.completion_tokens >= 1

@@ -453,7 +453,12 @@ class NativeModel(_Owner):
         """Text to token ids. Chat prompts carry their own BOS, so add_special is off by default."""
         if _faults is not None:
             _fault("tokenize", self, text)
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate (a JSON "\ud800", bytes decoded with surrogateescape)
+            raise InvalidRequestError(
+                f"the text is not valid Unicode: it holds a lone surrogate ({text[exc.start]!r}); "
+                "only text that encodes as UTF-8 can be tokenized") from None
         lib, vocab = self._lib, self.vocab
         capacity = len(data) + 8
         buf = (lib.llama_token * capacity)()

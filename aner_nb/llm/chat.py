@@ -304,7 +304,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser recurses
                 arguments = None
         if not isinstance(arguments, Mapping):
             raise InvalidRequestError(f"{at}.function.arguments must be a JSON object (as a string or a dict)",

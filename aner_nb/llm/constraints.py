@@ -393,6 +393,17 @@ def _pointer(root: Any, ref: str) -> Any:
     return node
 
 
+def _check_text(text: str, where: str, param: str) -> None:
+    """A schema's keys and strings become grammar literals and closing text: they must encode as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        at = where if len(where) <= 80 else f"{where[:40]}...{where[-30:]}"
+        raise InvalidRequestError(
+            f"{param}: a string at {at} is not valid Unicode (a lone surrogate at index {exc.start})",
+            param=param) from None
+
+
 def check_json_schema(schema: Any, *, param: str = "json_schema") -> int:
     """Refuse a JSON-schema document over any limit (InvalidRequestError with ``param``); its node count otherwise.
 
@@ -409,9 +420,14 @@ def check_json_schema(schema: Any, *, param: str = "json_schema") -> int:
                           f"at most {MAX_SCHEMA_NODES:,} are allowed")
         if isinstance(node, Mapping):
             children = list(node.items())
+            for key in node:
+                if isinstance(key, str):
+                    _check_text(key, f"{where}/{key!r}", param)
         elif isinstance(node, (list, tuple)):
             children = list(enumerate(node))
         else:
+            if isinstance(node, str):
+                _check_text(node, where or "/", param)
             continue
         if depth > MAX_SCHEMA_DEPTH:
             at = where if len(where) <= 80 else f"{where[:40]}...{where[-30:]}"

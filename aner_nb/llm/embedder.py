@@ -20,6 +20,7 @@ import numpy as np
 from ._engine import Batch, NativeContext
 from .embeddings import as_inputs, check_token_ids, declared_pooling, normalized, plan, resolve_pooling
 from .errors import EngineError, InvalidRequestError
+from .valid_text import check_text
 
 if TYPE_CHECKING:
     from ._engine import ContextParams, NativeModel
@@ -51,6 +52,7 @@ def embed(
     tokens: list[list[int]] = []
     for i, item in enumerate(inputs.items):
         if isinstance(item, str):
+            check_text(item, f"{param}[{i}]" if not inputs.single else param)
             tokens.append(text_tokens(native, item))
         else:
             check_token_ids(item, native.n_vocab, param=f"{param}[{i}]" if not inputs.single else param)

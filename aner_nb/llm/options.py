@@ -36,6 +36,7 @@ the tool options, themselves pure).
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field, make_dataclass
 from functools import cached_property
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence, TypedDict, Union
@@ -162,10 +163,11 @@ def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
     pairs: dict[int, float] = {}
     for key, bias in value.items():
         token = key
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) <= 12:  # no vocabulary is longer
             token = int(key)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise InvalidRequestError(f"{name} keys must be token ids (integers >= 0), got {key!r}", param=name)
+            raise InvalidRequestError(f"{name} keys must be token ids (integers >= 0), got {reprlib.repr(key)}",
+                                      param=name)
         if token in pairs:
             raise InvalidRequestError(f"{name} names token {token} twice", param=name)
         pairs[token] = number_in(f"{name}[{key}]", bias, -MAX_BIAS, MAX_BIAS)

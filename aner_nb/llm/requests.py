@@ -33,6 +33,7 @@ from .sampling import request_grammar
 from .chat_input import chat_input
 from .output import OutputFormat
 from .timings import ProfileTimings
+from .valid_text import check_text
 
 if TYPE_CHECKING:
     from .adapters import SharedAdapter
@@ -204,6 +205,10 @@ def prepare(
     t_call = time.perf_counter_ns()
     if not isinstance(request, RequestSettings):
         request = request_settings(request)
+    check_text(messages.text if isinstance(messages, RawText) else messages,
+               "prompt" if isinstance(messages, RawText) else "messages")
+    for name in ("stop", "chat_template_kwargs"):  # tools: checked with the other tool rules (tools.check_tools)
+        check_text(getattr(request, name, None), name)
     if request.top_k > weights.native.n_vocab:
         raise InvalidRequestError(
             f"top_k must be in 0..{weights.native.n_vocab} (the vocabulary size), got {request.top_k}", param="top_k"

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from .constraints import check_json_schema
 from .errors import InvalidRequestError
+from .valid_text import check_text
 
 __all__ = [
     "MAX_TOOLS", "MAX_DESCRIPTION_CHARS", "MAX_PARALLEL_CALLS", "MAX_TEMPLATE_KWARGS", "TOOL_NAME", "TOOL_CHOICES",
@@ -151,6 +152,7 @@ def check_tools(param: str, value: Any) -> tuple[Tool, ...]:
         raise _refuse(f"{param} must be a list of function tools, got {type(value).__name__}", param)
     if len(value) > MAX_TOOLS:
         raise _refuse(f"{param} accepts at most {MAX_TOOLS} tools, got {len(value)}", param)
+    check_text(value, param)  # names, descriptions and schemas are rendered and tokenized
     tools = tuple(_tool(i, item, param) for i, item in enumerate(value))
     seen: set[str] = set()
     for i, tool in enumerate(tools):
