@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -365,6 +366,33 @@ def test_a_bad_file_is_skipped_counted_and_the_request_runs_cold(base, cold, tmp
     # the skipped file was replaced by this lease's own; the next fresh lease restores it
     r2, stats2 = fresh_request(base, tmp_path, cold, QUESTIONS[1])
     assert r2.timings.prefix_cache_tier == TIER_CODES["disk"] and stats2["hits"] == {"disk": 1}
+
+
+@pytest.mark.parametrize("what", ["fifo_kv", "fifo_tok", "link_to_fifo", "directory"])
+def test_a_tier_entry_that_is_no_regular_file_is_never_opened(base, cold, tmp_path, what):
+    """Another program's FIFO named like a tier file blocked a plain open forever, and every later request with
+    it; a link or a directory is no state either. Such entries are passed over, and the request runs cold."""
+    path = fill(base, tmp_path)
+    target = path.with_suffix(".tok") if what == "fifo_tok" else path
+    target.unlink()
+    if what == "directory":
+        target.mkdir()
+    elif what == "link_to_fifo":
+        os.mkfifo(tmp_path / "elsewhere")
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(target)
+    answers: list = []
+    worker = threading.Thread(target=lambda: answers.append(fresh_request(base, tmp_path, cold)), daemon=True)
+    worker.start()
+    worker.join(120)  # a hang guard, not a timing: the open used to wait for a writer that never comes
+    assert not worker.is_alive(), "the request waited on the FIFO"
+    r, _ = answers[0]
+    assert r.timings.prefix_cache_tier == TIER_CODES["cold"] and r.usage.cached_input_tokens == 0
+    os.mkfifo(tmp_path / "probe.fifo")
+    for other in (tmp_path / "probe.fifo", tmp_path):
+        with pytest.raises(OSError, match="not a regular file"):
+            kv_identity.open_regular(other)
 
 
 # -- a whole prompt asked again: stored with its last row's logits, it evaluates nothing ---------------

@@ -32,15 +32,17 @@ state, where SHA-256 took ~25-55 ms and dominated a restore); format 1 files
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import xxhash
 
@@ -48,6 +50,7 @@ from .errors import StateMismatchError
 
 __all__ = [
     "pack_in_place",
+    "open_regular",
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_HEADER_BYTES",
@@ -503,7 +506,7 @@ def read_file(
     ``OSError`` (missing file, permissions) propagates; everything about the
     contents raises ``StateMismatchError``.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         total = os.fstat(f.fileno()).st_size
         prefix = f.read(min(total, _PREFIX.size + MAX_HEADER_BYTES + _DIGEST))
         header = _parse_header(prefix, max_payload_bytes=max_payload_bytes)
@@ -515,6 +518,25 @@ def read_file(
         raise StateMismatchError(f"the state file changed size while it was read ({len(mapped)} of {total} bytes)",
                                  reason="truncated")
     return _finish(header, memoryview(mapped)[header.body_offset :], total)
+
+
+def open_regular(path: os.PathLike[str] | str) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file; ``OSError`` otherwise.
+
+    A cache directory is shared with other programs: a FIFO named like a state
+    file would block a plain ``open`` forever (no writer ever comes), and a
+    device or a directory is no state either. The open does not wait (it is
+    non-blocking, which changes nothing for a regular file) and the check is on
+    the opened descriptor, so a rename in between cannot swap the file.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _map_read_only(f: Any) -> "mmap.mmap":

@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 import sys
 import threading
 from array import array
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .kv_identity import REASONS
+from .kv_identity import REASONS, open_regular
 
 __all__ = [
     "TIER_CODES",
@@ -348,8 +349,10 @@ class DiskTier:
                 continue
             path = self.directory / name
             try:
-                st = path.stat()
+                st = path.lstat()  # a link is not followed: what the directory holds must itself be a file
             except OSError:  # removed by another process meanwhile
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a FIFO, a directory, a link named like a tier file: never opened
                 continue
             try:
                 side = path.with_suffix(".tok").stat().st_size
@@ -376,7 +379,7 @@ class DiskTier:
             return hit
         side = path.with_suffix(".tok")
         try:
-            with open(side, "rb") as f:
+            with open_regular(side) as f:
                 data = f.read(4 * length + 1)  # bounded by the length the name declares
         except OSError:
             return None
@@ -428,7 +431,7 @@ class DiskTier:
 
     def read(self, path: Path) -> bytes:
         """The file's bytes, at most the budget; raises OSError (missing, unreadable) or ValueError (too large)."""
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size > self.budget:
                 raise ValueError(f"{path.name} is {size} bytes, above the disk tier's {self.budget}")
