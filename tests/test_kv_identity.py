@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -649,3 +651,71 @@ def test_cache_files_are_written_atomically_without_fsync_and_saved_sessions_wit
     kv_identity.write_atomic(tmp_path / "b.kv", SMALL)
     assert len(synced) == 2 and (tmp_path / "b.kv").read_bytes() == SMALL
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.kv", "b.kv"]
+
+
+# Another program copies a shorter file over the state file, in place, after the reader opened and sized it and
+# before the body is checked: a mapped body is then pages past the end of the file (SIGBUS on access), a read
+# body is the reader's own copy.
+CUT_SHORT = """
+import os
+from aner_nb.llm import kv_identity as kv
+real = kv._finish
+
+
+def cut_short_then_finish(header, body, total):
+    os.truncate(CUT_PATH, 4096)
+    return real(header, body, total)
+
+
+kv._finish = cut_short_then_finish
+"""
+
+RACE = r"""
+import sys
+from aner_nb.llm import kv_identity as kv
+from test_kv_identity import IDENTITY
+CUT_PATH, mapped = sys.argv[1], sys.argv[2] == "mapped"
+kv.write_atomic(CUT_PATH, kv.pack(IDENTITY, list(range(10)), b"\x01" * (1 << 20)), durable=False)
+""" + CUT_SHORT + r"""
+got = kv.read_file(CUT_PATH, IDENTITY, mapped=mapped)
+print("READ", len(got.payload))
+"""
+
+
+def _child(script: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_a_file_cut_short_while_it_is_read_unmapped_keeps_the_readers_copy(tmp_path: Path) -> None:
+    """The race, in a child: read into memory the answer is whole; mapped, the process dies of SIGBUS (which is
+    why only the tiers' own files, always replaced whole by a rename and never in place, are mapped)."""
+    script = tmp_path / "race.py"
+    script.write_text(RACE)
+    unmapped = _child(script, str(tmp_path / "a.kv"), "read")
+    assert unmapped.returncode == 0 and unmapped.stdout.split() == ["READ", str(1 << 20)], unmapped.stderr[-2000:]
+    mapped = _child(script, str(tmp_path / "b.kv"), "mapped")
+    assert mapped.returncode == -signal.SIGBUS, (mapped.returncode, mapped.stderr[-500:])
+
+
+SESSION_RACE = r"""
+import sys
+from aner_nb import llm
+model = llm.load(sys.argv[1], context=256, progress=False, warmup=False)
+chat = model.session()
+first = chat.send("hello", max_tokens=2)
+CUT_PATH = str(chat.save(sys.argv[2]))
+chat.close()
+""" + CUT_SHORT + r"""
+resumed = model.session(resume=CUT_PATH)
+print("RESUMED", len(resumed.messages))
+"""
+
+
+def test_a_session_file_cut_short_while_it_is_resumed_does_not_take_the_process_down(llama_path, tmp_path) -> None:
+    """``session(resume=path)`` names a user's file, which may be copied over in place at any time: it is read,
+    not mapped, so the race above leaves the resumed session whole (mapped, it was SIGBUS)."""
+    script = tmp_path / "session_race.py"
+    script.write_text(SESSION_RACE)
+    done = _child(script, str(llama_path), str(tmp_path / "chat.session"))
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["RESUMED", "2"], (done.returncode, done.stderr[-2000:])

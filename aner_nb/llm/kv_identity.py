@@ -499,12 +499,19 @@ def unpack(
 
 
 def read_file(
-    path: os.PathLike[str] | str, expected_identity: KVIdentity, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    path: os.PathLike[str] | str, expected_identity: KVIdentity, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    mapped: bool = True,
 ) -> Unpacked:
     """Read and verify one state file, header first: a foreign or oversized file's body is never read.
 
-    ``OSError`` (missing file, permissions) propagates; everything about the
-    contents raises ``StateMismatchError``.
+    ``OSError`` (missing file, permissions, not a regular file) propagates;
+    everything about the contents raises ``StateMismatchError``.
+
+    ``mapped``: the body is mapped, not copied (about 5 ms less for a 32 MB
+    state). A mapped file that another program truncates in place while it is
+    read ends the process with SIGBUS; the tiers' own files are only ever
+    replaced whole (:func:`write_atomic`), so the tiers map theirs, and a file
+    a user names (``session(resume=path)``) is read with ``mapped=False``.
     """
     with open_regular(path) as f:
         total = os.fstat(f.fileno()).st_size
@@ -513,11 +520,17 @@ def read_file(
         _check_identity(header.identity, expected_identity)
         if total != header.end:  # sizes first: never allocate what the header does not declare
             return _finish(header, b"", total)
-        mapped = _map_read_only(f)
-    if len(mapped) != total:
-        raise StateMismatchError(f"the state file changed size while it was read ({len(mapped)} of {total} bytes)",
+        if mapped:
+            data: Any = _map_read_only(f)
+            got = len(data)
+        else:
+            data = bytearray(total)
+            f.seek(0)
+            got = f.readinto(data)
+    if got != total:
+        raise StateMismatchError(f"the state file changed size while it was read ({got} of {total} bytes)",
                                  reason="truncated")
-    return _finish(header, memoryview(mapped)[header.body_offset :], total)
+    return _finish(header, memoryview(data)[header.body_offset :], total)
 
 
 def open_regular(path: os.PathLike[str] | str) -> BinaryIO:

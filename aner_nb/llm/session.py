@@ -201,7 +201,8 @@ class Session(Lease):
 
     def _resume(self, path: Path) -> None:
         """Restore history and KV from a ``save`` file, every check before the engine sees the bytes."""
-        saved = kv_identity.read_file(path, self._identity(), max_payload_bytes=self._payload_cap())
+        # a user's file, perhaps copied over in place meanwhile: read, not mapped (a mapping would SIGBUS)
+        saved = kv_identity.read_file(path, self._identity(), max_payload_bytes=self._payload_cap(), mapped=False)
         meta, tokens = saved.meta, list(saved.tokens)
         if not isinstance(meta, dict) or meta.get("kind") != self._SAVED_KIND or set(meta) != {"kind", "messages", "trusted"}:
             raise StateMismatchError(f"{path.name} is a state file but not a saved session", reason="corrupt")
