@@ -169,6 +169,15 @@ def test_lenient_fields_ignore_unknown_ones_and_name_them_in_a_header(batching, 
         assert plain.status_code == 200 and "x-aner-ignored-fields" not in plain.headers
         refused = post(server.url, "/v1/chat/completions", {**body, "n": 10**6})  # known fields are still checked
         assert refused.status_code in (400, 422) and "n" in refused.text
+        # names a client wrote: a CR/LF or NUL broke the response head, a non-latin-1 name was a 500, 60,000 names
+        # made a 480 KB head; plain names are listed (20 at most), the rest counted
+        odd = {**body, "bad\r\nX-Injected: 1": 1, "nul\u0000": 1, "\u4e2d": 1, **{f"f{i}": 1 for i in range(60_000)}}
+        r = post(server.url, "/v1/chat/completions", odd)
+        assert r.status_code == 200, r.text[:300]
+        listed = r.headers["x-aner-ignored-fields"].split(",")
+        assert len(listed) == 21 and listed[-1] == f"+{60_000 + 2 + 3 - 20} more" and "x-injected" not in r.headers
+        embedded = post(server.url, "/v1/embeddings", {"input": "hi", "\u4e2d": 1, "ok_field": 2})
+        assert embedded.status_code < 500, embedded.text[:200]  # a batching lease does not embed: a 400, not a 500
     with serving(service(batching, max_tokens=16)) as server:
         strict = post(server.url, "/v1/chat/completions", body)
     assert strict.status_code == 400 and strict.json()["error"]["param"] in ("mirostat", "typical_p")

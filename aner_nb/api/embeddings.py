@@ -25,7 +25,9 @@ from typing_extensions import Annotated
 from ..llm import errors as llm_errors
 from ..llm.embeddings import MAX_INPUTS
 from .errors import ApiError
-from .openai_fields import EMBEDDING_FIELDS, EMBEDDINGS_ROUTE, IGNORED_FIELDS_HEADER, refuse_unsupported
+from .openai_fields import (
+    EMBEDDING_FIELDS, EMBEDDINGS_ROUTE, IGNORED_FIELDS_HEADER, ignored_fields_header, refuse_unsupported,
+)
 
 __all__ = ["EmbeddingRequest", "EmbeddingList", "TokenizeRequest", "TokenizeAnswer", "DetokenizeRequest",
            "DetokenizeAnswer", "endpoints"]
@@ -127,7 +129,7 @@ def endpoints(service: Any) -> dict[str, Callable[..., Any]]:
         ignored = refuse_unsupported(dict(body.model_extra or {}), EMBEDDING_FIELDS, EMBEDDINGS_ROUTE,
                                      lenient=service.config.lenient_fields)
         if ignored:
-            reply.headers[IGNORED_FIELDS_HEADER] = ",".join(ignored)
+            reply.headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(ignored)
         mount = service.mount_for(body.model)
         model = mount.model
         if not model.closed:  # a closed model is answered 503 when the work is admitted

@@ -39,7 +39,8 @@ from .errors import ApiError
 
 __all__ = [
     "HONOURED", "EXTENSION", "IGNORED", "REJECTED", "FieldPolicy", "CHAT_FIELDS", "COMPLETION_FIELDS",
-    "route_fields", "refuse_unsupported", "IGNORED_FIELDS_HEADER", "field_table", "render_doc", "MAX_CHOICES",
+    "route_fields", "refuse_unsupported", "IGNORED_FIELDS_HEADER", "ignored_fields_header", "field_table",
+    "render_doc", "MAX_CHOICES",
     "EMBEDDINGS_ROUTE", "EMBEDDING_FIELDS", "embedding_field_table", "render_embeddings_doc",
 ]
 
@@ -155,6 +156,18 @@ EMBEDDING_FIELDS: dict[str, FieldPolicy] = {p.name: p for p in (
 
 
 IGNORED_FIELDS_HEADER = "X-Aner-Ignored-Fields"  # lenient fields: the unknown fields an answer ignored
+MAX_LISTED_FIELDS = 20
+_LISTABLE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def ignored_fields_header(names: Sequence[str]) -> str:
+    """The header's value for the unknown fields a lenient service ignored: names a client wrote, so only
+    plain ones (letters, digits, ``_.-``, at most 64) and at most :data:`MAX_LISTED_FIELDS` of them are
+    listed; the rest are counted (``+3 more``). A raw name could break the response head (a CR, LF or NUL),
+    be no latin-1 (a 500), or make the head hundreds of kilobytes."""
+    listed = [n for n in names if _LISTABLE.fullmatch(n)][:MAX_LISTED_FIELDS]
+    rest = len(names) - len(listed)
+    return ",".join(listed + ([f"+{rest} more"] if rest else []))
 
 
 def refuse_unsupported(given: Mapping[str, Any], table: Mapping[str, FieldPolicy], route: str,

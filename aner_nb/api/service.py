@@ -32,7 +32,7 @@ from ..llm import errors as llm_errors
 from .config import ServiceConfig
 from . import embeddings as embedding_routes
 from .calls import Call, chat_call, completion_call, seed_call
-from .openai_fields import IGNORED_FIELDS_HEADER
+from .openai_fields import IGNORED_FIELDS_HEADER, ignored_fields_header
 from . import choices
 from ..llm.output import OutputSplitter
 from .schemas import chat_finish_reason
@@ -283,7 +283,7 @@ def _ignoring(response: Response, call: Call) -> Response:
     """``response`` (a stream, or the answer's injected headers) naming the unknown fields a lenient
     service ignored; no header when none were."""
     if call.ignored:
-        response.headers[IGNORED_FIELDS_HEADER] = ",".join(call.ignored)
+        response.headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(call.ignored)
     return response
 
 
