@@ -110,7 +110,7 @@ def test_client_keys_group_addresses():
     assert client_key(None) == "unknown"
 
 
-def test_registry_refuses_over_the_per_client_limit_and_evicts_the_oldest_idle():
+def test_registry_makes_room_for_a_client_from_its_own_idle_then_the_oldest_idle():
     class Conn:
         evicted = False
 
@@ -118,37 +118,45 @@ def test_registry_refuses_over_the_per_client_limit_and_evicts_the_oldest_idle()
             self.evicted = True
 
     reg = ConnectionRegistry(max_total=3, max_per_client=2)
-    a1, a2, a3, b1, b2, c1 = (Conn() for _ in range(6))
+    a1, a2, a3, a4, b1, b2, c1 = (Conn() for _ in range(7))
     assert reg.admit(a1, "a") is None and reg.admit(a2, "a") is None
-    assert reg.admit(a3, "a") == "per_client" and reg.refused["per_client"] == 1
-    reg.busy(a1)  # a request in flight: never evicted
+    # at a's limit: a's own oldest idle connection makes room (on loopback every local client is one "a")
+    assert reg.admit(a3, "a") is None and a1.evicted and not a2.evicted and reg.of("a") == 2 and reg.evicted == 1
+    reg.busy(a2)
+    reg.busy(a3)
+    assert reg.admit(a4, "a") == "per_client" and reg.refused["per_client"] == 1  # every one of a's is busy
     assert reg.admit(b1, "b") is None and reg.open == 3
-    assert reg.admit(b2, "b") is None and a2.evicted and not a1.evicted and reg.evicted == 1  # a2: the oldest idle
     reg.busy(b1)
-    reg.busy(b2)
-    assert reg.admit(c1, "c") == "capacity" and reg.refused["capacity"] == 1 and reg.open == 3
-    reg.idle(a1)
-    reg.release(b2)
-    assert reg.of("b") == 1 and reg.admit(c1, "c") is None and not a1.evicted
+    assert reg.admit(b2, "b") == "capacity" and reg.refused["capacity"] == 1  # none idle anywhere
+    reg.idle(a2)
+    assert reg.admit(c1, "c") is None and a2.evicted and not a3.evicted and reg.evicted == 2  # the oldest idle
 
 
-def test_idle_connections_beyond_the_per_client_limit_are_refused_and_others_are_served(batching):  # noqa: F811
+def test_a_clients_idle_connections_beyond_its_limit_make_room_for_its_new_ones(batching):  # noqa: F811
+    """A's 200 silent sockets keep at most 16 slots, its newest: each new one closes A's oldest idle one (so a
+    process sharing A's address, as every local process shares 127.0.0.1, is never locked out by idle sockets)."""
     per_client = 16
     builder = service(batching, max_tokens=4).read_timeouts(header_s=600).connections(max_per_client=per_client)
     with serving(builder) as server:
         with flood(server) as socks:
-            refused, answers = closed_by_server(socks, FLOOD - per_client)
-            assert len(refused) == FLOOD - per_client
-            assert all(b" 429 " in a.split(b"\r\n", 1)[0] and b"too_many_connections" in a for a in answers.values())
-            kept = [s for s in socks if s not in refused]
-            assert len(kept) == per_client and all(still_open(s) for s in kept)
+            evicted, answers = closed_by_server(socks, FLOOD - per_client)
+            assert len(evicted) == FLOOD - per_client and not any(answers.values())  # closed without an answer
+            assert set(evicted) == set(socks[:FLOOD - per_client])  # the oldest
+            kept = socks[FLOOD - per_client:]
+            assert all(still_open(s) for s in kept)
             ordinary_requests(server)
             assert all(still_open(s) for s in kept)  # B needed no slot of A's: A keeps its 16 idle sockets
             text = httpx.get(f"{server.url}/metrics", timeout=30).text
-            assert metric(text, "aner_http_connections_refused_total", reason="per_client") == FLOOD - per_client
-            assert metric(text, "aner_http_connections_evicted_total") == 0
+            assert metric(text, "aner_http_connections_refused_total", reason="per_client") == 0
+            assert metric(text, "aner_http_connections_evicted_total") == FLOOD - per_client
             assert metric(text, "aner_http_connections") >= per_client + 1
             assert server.connections.of(ATTACKER) == per_client
+            with socket.socket() as same_address:  # A's address with a real request: served, not refused
+                same_address.bind((ATTACKER, 0))
+                same_address.settimeout(WAIT_S)
+                same_address.connect(("127.0.0.1", server.port))
+                same_address.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                assert same_address.recv(64).startswith(b"HTTP/1.1 200")
         ordinary_requests(server, n=1)
 
 

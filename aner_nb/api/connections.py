@@ -8,8 +8,12 @@ network, which one host usually owns whole).
 When a connection opens:
 
 1. its client already holds ``max_per_client`` connections (0: no such
-   limit): it is refused, answered ``429 too_many_connections`` at once
-   (before any request is read) and closed;
+   limit): that client's own oldest idle connection is closed to make room;
+   when every one of them has a request in flight the new one is refused,
+   answered ``429 too_many_connections`` at once (before any request is
+   read) and closed. (Refusing the new one while old ones idle would let
+   any local process lock every other local client out: on loopback they
+   are all one client, ``127.0.0.1``.)
 2. the server holds ``max_total`` connections: the oldest *idle* one (no
    request in flight: never used yet, or waiting between keep-alive
    requests; a request head still arriving counts as idle) is closed to make
@@ -17,7 +21,7 @@ When a connection opens:
    refused, ``503 server_full`` with ``Retry-After``.
 
 So one client holding hundreds of idle keep-alive sockets takes at most
-``max_per_client`` slots, and clients from many addresses holding idle
+``max_per_client`` slots and loses the oldest of them to its own new ones, and clients from many addresses holding idle
 sockets lose them to new clients instead of starving them. A connection
 with a request in flight is never evicted. The counts are exported on
 ``/metrics`` (``aner_http_connections``, ``aner_http_connections_idle``,
@@ -76,21 +80,27 @@ class ConnectionRegistry:
     def admit(self, connection: Evictable, client: str) -> str | None:
         """Register a new connection (idle); or the reason it is refused (``per_client``, ``capacity``)."""
         if self.max_per_client and self._per_client.get(client, 0) >= self.max_per_client:
-            self.refused["per_client"] += 1
-            return "per_client"
+            own = next((c for c in self._idle if self._client[c] == client), None)  # oldest idle first
+            if own is None:
+                self.refused["per_client"] += 1
+                return "per_client"
+            self._evict(own)
         while len(self._client) >= self.max_total:
             victim = next(iter(self._idle), None)
             if victim is None:
                 self.refused["capacity"] += 1
                 return "capacity"
-            self.release(victim)
-            self.evicted += 1
-            victim.evict()
+            self._evict(victim)
         self._client[connection] = client
         self._per_client[client] = self._per_client.get(client, 0) + 1
         self._idle[connection] = None
         self.accepted += 1
         return None
+
+    def _evict(self, victim: Evictable) -> None:
+        self.release(victim)
+        self.evicted += 1
+        victim.evict()
 
     def busy(self, connection: Any) -> None:
         """A request is in flight on ``connection``: it is not evicted until it becomes idle again."""
