@@ -163,6 +163,20 @@ def test_an_oversized_request_head_is_answered_431(batching):
         still_serves(server)
 
 
+def test_a_whole_request_head_over_the_bound_is_answered_431_too(batching):
+    """A head that arrives complete in one write bypassed h11's bound (5,000 headers, 52.7 KiB, answered 200)."""
+    many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 4) for i in range(5000))
+    with serving(service(batching)) as server, connect(server) as sock:
+        sock.sendall(head("GET", "/health")[:-2] + many + b"\r\n")
+        status, _, body = read_response(sock)
+        assert status == 431 and error_of(body)["code"] == "header_too_large" and "above the" in error_of(body)["message"]
+    with serving(service(batching)) as server, connect(server) as sock:
+        fits = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 4) for i in range(500))  # 6 KB: under the bound
+        sock.sendall(head("GET", "/health")[:-2] + fits + b"\r\n")
+        assert read_response(sock)[0] == 200
+        still_serves(server)
+
+
 # -- slow clients ----------------------------------------------------------------------------------------------
 def _trickle(sock, data, gap, until):
     """Send ``data`` a byte at a time every ``gap`` seconds until the server closes; what it answered, or None."""

@@ -98,13 +98,30 @@ def edge_protocol(*, header_timeout_s: float, body_timeout_s: float, linger_s: f
 
 
 class _Connection(h11.Connection):
-    """h11's connection, keeping the last protocol error it raised (uvicorn drops it)."""
+    """h11's connection, keeping the last protocol error it raised (uvicorn drops it), and bounding whole heads.
+
+    h11's ``max_incomplete_event_size`` bounds only a head still arriving: one that
+    arrives whole in a segment passed at any size up to the socket's read (a review
+    sent 5,000 headers, 52.7 KiB, in one write). A complete request head over the
+    same bound is refused the same way (431).
+    """
 
     last_error: h11.RemoteProtocolError | None = None
 
+    def __init__(self, our_role: Any, *, max_incomplete_event_size: int) -> None:
+        super().__init__(our_role, max_incomplete_event_size=max_incomplete_event_size)
+        self.max_head_bytes = max_incomplete_event_size
+
     def next_event(self) -> Any:
         try:
-            return super().next_event()
+            event = super().next_event()
+            if isinstance(event, h11.Request):
+                size = len(event.method) + len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+                if size > self.max_head_bytes:
+                    raise h11.RemoteProtocolError(
+                        f"the request head is {size} bytes, above the {self.max_head_bytes} allowed",
+                        error_status_hint=431)
+            return event
         except h11.RemoteProtocolError as exc:
             self.last_error = exc
             raise
