@@ -33,6 +33,7 @@ from .sandbox import ENVIRONMENT, RENDER_SECONDS, TemplateRaised, bounded_output
 from .templates import BUILTIN_TEMPLATES, FAMILY_TEMPLATES
 from .templates import builtin_names as _builtin_names
 from .tools import TOOL_NAME
+from .valid_text import check_text
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -258,6 +259,7 @@ def validate_messages(
             checked["tool_calls"] = _tool_calls(calls, f"messages[{i}].tool_calls")
         if role == "tool":
             checked.update(_tool_result(message, f"messages[{i}]"))
+        check_text(checked, f"messages[{i}]")  # rendered and tokenized: every string must encode as UTF-8
         out.append(checked)
     return tuple(out)
 

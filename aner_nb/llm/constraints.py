@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import InvalidRequestError
+from .valid_text import lone_surrogate
 
 __all__ = [
     "MAX_GRAMMAR_BYTES",
@@ -395,13 +396,11 @@ def _pointer(root: Any, ref: str) -> Any:
 
 def _check_text(text: str, where: str, param: str) -> None:
     """A schema's keys and strings become grammar literals and closing text: they must encode as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
+    index = lone_surrogate(text)
+    if index is not None:
         at = where if len(where) <= 80 else f"{where[:40]}...{where[-30:]}"
         raise InvalidRequestError(
-            f"{param}: a string at {at} is not valid Unicode (a lone surrogate at index {exc.start})",
-            param=param) from None
+            f"{param}: a string at {at} is not valid Unicode (a lone surrogate at index {index})", param=param)
 
 
 def check_json_schema(schema: Any, *, param: str = "json_schema") -> int:

@@ -46,6 +46,7 @@ from typing_extensions import NotRequired, TypedDict as WireDict  # pydantic rea
 from .constraints import check_grammar_text, check_json_schema
 from .tools import MAX_TEMPLATE_KWARGS, MAX_TOOLS, check_template_kwargs, check_tool_choice, check_tool_rules, check_tools
 from .errors import ConfigurationError, InvalidRequestError, LLMError
+from .valid_text import check_text
 
 __all__ = [
     "MAX_CONTEXT", "MAX_TOKENS", "MAX_SEED", "MAX_STOP_STRINGS", "MAX_VOCAB", "MAX_REPEAT_PENALTY",
@@ -128,6 +129,7 @@ def _stop_strings(name: str, stop: Any) -> tuple[str, ...]:
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
             raise InvalidRequestError(f"{name}[{i}] must be a non-empty string, got {s!r}", param=f"{name}[{i}]")
+    check_text(stop, name)
     return tuple(stop)
 
 

@@ -118,6 +118,7 @@ def request_settings(
 def as_raw_text(text: Any) -> RawText:
     if not isinstance(text, str):
         raise InvalidRequestError(f"a completion prompt must be a string, got {type(text).__name__}", param="prompt")
+    check_text(text, "prompt")
     return RawText(text)
 
 
@@ -205,10 +206,6 @@ def prepare(
     t_call = time.perf_counter_ns()
     if not isinstance(request, RequestSettings):
         request = request_settings(request)
-    check_text(messages.text if isinstance(messages, RawText) else messages,
-               "prompt" if isinstance(messages, RawText) else "messages")
-    for name in ("stop", "chat_template_kwargs"):  # tools: checked with the other tool rules (tools.check_tools)
-        check_text(getattr(request, name, None), name)
     if request.top_k > weights.native.n_vocab:
         raise InvalidRequestError(
             f"top_k must be in 0..{weights.native.n_vocab} (the vocabulary size), got {request.top_k}", param="top_k"

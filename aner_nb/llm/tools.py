@@ -222,6 +222,7 @@ def check_template_kwargs(param: str, value: Any) -> tuple[tuple[str, Any], ...]
             raise _refuse(f"{param}.{key} must be a JSON scalar (null, a bool, a number, a string of at most "
                           f"{MAX_TEMPLATE_VALUE_CHARS} characters), got {type(item).__name__}", f"{param}.{key}")
         out.append((str.__str__(key), item))
+    check_text(dict(out), param)
     return tuple(sorted(out))
 
 

@@ -14,10 +14,11 @@ from typing import Any
 
 from .errors import InvalidRequestError
 
-__all__ = ["check_text"]
+__all__ = ["check_text", "lone_surrogate"]
 
 
-def _bad(text: str) -> int | None:
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first character of ``text`` that UTF-8 cannot encode (a lone surrogate), or None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -32,14 +33,14 @@ def check_text(value: Any, param: str) -> None:
     while todo:
         item, path = todo.pop()
         if isinstance(item, str):
-            at = _bad(item)
+            at = lone_surrogate(item)
             if at is not None:
                 raise InvalidRequestError(
                     f"{path} is not valid Unicode: it holds a lone surrogate ({item[at]!r}) at index {at}; "
                     "text must encode as UTF-8", param=path)
         elif isinstance(item, Mapping):
             for key, sub in reversed(list(item.items())):
-                if isinstance(key, str) and _bad(key) is not None:
+                if isinstance(key, str) and lone_surrogate(key) is not None:
                     todo.append((key, f"{path} key"))
                 todo.append((sub, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]"))
         elif isinstance(item, (list, tuple)):
